@@ -1,0 +1,3 @@
+from pgflow.cli import main
+
+main()

@@ -1,0 +1,283 @@
+"""The ``pgflow`` command line.
+
+Every failure the user can act on is one line on stderr (``error: ...``) and a
+non-zero exit; no command prints a traceback (``PGFLOW_DEBUG=1`` shows one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+import click
+import psycopg
+
+from pgflow import db, migrate, registry
+from pgflow.config import Settings, load_settings
+from pgflow.errors import NotFound, PgflowError
+from pgflow.queries import q
+
+
+class Ctx:
+    """Lazily resolved settings and database connection shared by subcommands."""
+
+    def __init__(self, database_url: str | None, home: str | None) -> None:
+        self._overrides = {"database_url": database_url, "home": home}
+        self._settings: Settings | None = None
+        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = load_settings(**self._overrides)
+        return self._settings
+
+    def url(self) -> str:
+        return db.resolve_url(self.settings)
+
+    def conn(self) -> psycopg.Connection[dict[str, Any]]:
+        if self._conn is None:
+            self._conn = db.connect_migrated(self.url())
+        return self._conn
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def emit_json(document: Any) -> None:
+    click.echo(json.dumps(document, default=_json_default, indent=2))
+
+
+def emit_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, datetime):
+            return value.strftime("%Y-%m-%d %H:%M:%S%z")
+        if isinstance(value, list):
+            return ",".join(map(str, value)) or "-"
+        return str(value)
+
+    cells = [[cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for r in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--database-url", envvar="PGFLOW_DATABASE_URL", help="libpq URL (default: embedded).")
+@click.option("--home", envvar="PGFLOW_HOME", help="Data folder (embedded cluster, secrets).")
+@click.version_option(package_name="pgflow")
+@click.pass_context
+def cli(ctx: click.Context, database_url: str | None, home: str | None) -> None:
+    """pgflow: scheduled ETL jobs coordinated by PostgreSQL only."""
+    ctx.obj = Ctx(database_url, home)
+
+
+# ---------------------------------------------------------------- db
+
+
+@cli.group("db")
+def db_group() -> None:
+    """Schema migrations and the embedded database."""
+
+
+@db_group.command("migrate")
+@pass_ctx
+def db_migrate(ctx: Ctx) -> None:
+    """Apply pending schema migrations (safe from several replicas at once)."""
+    conn = db.connect(ctx.url())
+    applied = migrate.migrate(conn)
+    if applied:
+        for m in applied:
+            click.echo(f"applied {m.version:04d}_{m.name}")
+    else:
+        click.echo("schema is up to date")
+
+
+@db_group.command("status")
+@json_option
+@pass_ctx
+def db_status(ctx: Ctx, as_json: bool) -> None:
+    """Show applied and pending migrations."""
+    conn = db.connect(ctx.url())
+    rows = [
+        {"version": s.version, "name": s.name, "state": "applied" if s.applied_at else "pending",
+         "applied_at": s.applied_at, "modified": s.modified}
+        for s in migrate.status(conn)
+    ]
+    if as_json:
+        emit_json({"migrations": rows, "pending": sum(r["state"] == "pending" for r in rows)})
+    else:
+        emit_table(rows, ["version", "name", "state", "applied_at"])
+
+
+@db_group.command("stop")
+@pass_ctx
+def db_stop(ctx: Ctx) -> None:
+    """Stop the embedded PostgreSQL of this home."""
+    if ctx.settings.database_url:
+        raise PgflowError(
+            "PGFLOW_DATABASE_URL is set: 'pgflow db stop' only stops the embedded database"
+        )
+    from pgflow.embedded import embedded_cluster
+
+    stopped = embedded_cluster(ctx.settings.home).stop()
+    click.echo("embedded PostgreSQL stopped" if stopped else "embedded PostgreSQL was not running")
+
+
+# ---------------------------------------------------------------- apply
+
+
+@cli.command("apply")
+@click.argument("sources", nargs=-1, required=True)
+@click.option("--prune", is_flag=True, help="Delete jobs these sources no longer define.")
+@json_option
+@pass_ctx
+def apply_command(ctx: Ctx, sources: tuple[str, ...], prune: bool, as_json: bool) -> None:
+    """Register jobs from TOML files, folders of them, or module:attr."""
+    loaded = registry.load_sources(sources)
+    result = registry.apply(ctx.conn(), loaded.specs, prune=prune, source=", ".join(sources),
+                            invalid=loaded.errors)
+    if as_json:
+        emit_json({**result.counts(), "jobs": {k: getattr(result, k) for k in result.counts()}})
+    else:
+        counts = result.counts()
+        click.echo(", ".join(f"{k} {v}" for k, v in counts.items() if k != "pruned" or prune))
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@cli.group("jobs")
+def jobs_group() -> None:
+    """Inspect and control registered jobs."""
+
+
+@jobs_group.command("list")
+@click.option("--tenant", help="Only this tenant's jobs.")
+@click.option("--limit", type=click.IntRange(1, 1_000_000), default=100_000, show_default=True)
+@json_option
+@pass_ctx
+def jobs_list(ctx: Ctx, tenant: str | None, limit: int, as_json: bool) -> None:
+    """List jobs."""
+    rows = ctx.conn().execute(q("list_jobs"), {"tenant": tenant, "limit": limit}).fetchall()
+    if as_json:
+        emit_json(rows)
+    else:
+        emit_table(rows, ["name", "tenant", "schedule", "timezone", "paused", "next_fire_at",
+                          "depends_on"])
+
+
+def _job(ctx: Ctx, name: str) -> dict[str, Any]:
+    row = ctx.conn().execute(q("get_job"), {"name": name}).fetchone()
+    if row is None:
+        raise NotFound(f"no job named {name!r} (see 'pgflow jobs list')")
+    return row
+
+
+@jobs_group.command("show")
+@click.argument("name")
+@json_option
+@pass_ctx
+def jobs_show(ctx: Ctx, name: str, as_json: bool) -> None:
+    """Show one job's definition and state."""
+    row = _job(ctx, name)
+    if as_json:
+        emit_json(row)
+        return
+    definition = row.pop("definition")
+    for key, value in row.items():
+        click.echo(f"{key + ':':<14} {value if value not in (None, []) else '-'}")
+    click.echo("definition:")
+    click.echo(json.dumps(definition, indent=2))
+
+
+def _set_paused(ctx: Ctx, name: str, paused: bool) -> None:
+    conn = ctx.conn()
+    with conn.transaction():
+        row = conn.execute(q("set_paused"), {"name": name, "paused": paused}).fetchone()
+        if row is None:
+            raise NotFound(f"no job named {name!r} (see 'pgflow jobs list')")
+        conn.execute(q("notify_jobs_changed"))
+    click.echo(f"{name} {'paused' if paused else 'resumed'}")
+
+
+@jobs_group.command("pause")
+@click.argument("name")
+@pass_ctx
+def jobs_pause(ctx: Ctx, name: str) -> None:
+    """Stop creating scheduled runs of a job."""
+    _set_paused(ctx, name, True)
+
+
+@jobs_group.command("resume")
+@click.argument("name")
+@pass_ctx
+def jobs_resume(ctx: Ctx, name: str) -> None:
+    """Resume a paused job (missed ticks follow its catchup setting)."""
+    _set_paused(ctx, name, False)
+
+
+@jobs_group.command("delete")
+@click.argument("name")
+@pass_ctx
+def jobs_delete(ctx: Ctx, name: str) -> None:
+    """Delete a job; its run history stays, its unstarted runs are cancelled."""
+    registry.delete(ctx.conn(), name)
+    click.echo(f"{name} deleted")
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    sys.exit(run(argv))
+
+
+def run(argv: Sequence[str] | None = None, *, invoke: Callable[..., Any] | None = None) -> int:
+    """Run the CLI and return the exit code; every error becomes one line on stderr."""
+    debug = os.environ.get("PGFLOW_DEBUG") == "1"
+    try:
+        (invoke or cli.main)(args=list(argv) if argv is not None else None,
+                             standalone_mode=False, prog_name="pgflow")
+        return 0
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.Abort:
+        click.echo("error: aborted", err=True)
+        return 130
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        return exc.exit_code
+    except PgflowError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 1
+    except psycopg.Error as exc:
+        if debug:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        click.echo(f"error: database error: {first}", err=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        click.echo(f"error: internal error: {type(exc).__name__}: {exc}"
+                   " (PGFLOW_DEBUG=1 shows the traceback)", err=True)
+        return 70

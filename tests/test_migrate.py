@@ -1,0 +1,94 @@
+import threading
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from pgflow import migrate
+
+EXPECTED_TABLES = {"jobs", "job_deps", "runs", "attempts", "schema_migrations"}
+
+SURFACE = {
+    "jobs": {"name", "tenant", "schedule", "timezone", "paused", "next_fire_at"},
+    "job_deps": {"job", "upstream"},
+    "runs": {"id", "job", "logical_time", "state", "attempt", "trigger", "tenant", "priority",
+             "created_at", "started_at", "finished_at"},
+    "attempts": {"run_id", "attempt", "worker_id", "started_at", "finished_at", "outcome",
+                 "exit_code", "error"},
+}
+
+
+def columns(conn: psycopg.Connection[Any], table: str) -> set[str]:
+    rows = conn.execute(
+        "SELECT column_name FROM information_schema.columns"
+        " WHERE table_schema = 'pgflow' AND table_name = %s", (table,)).fetchall()
+    return {r[0] for r in rows}
+
+
+def test_fresh_database_gets_every_migration(empty_db_url: str) -> None:
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        assert [m.version for m in migrate.pending(conn)] == [m.version for m in
+                                                              migrate.available()]
+        applied = migrate.migrate(conn)
+        assert applied and migrate.pending(conn) == []
+        tables = {r[0] for r in conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = 'pgflow'")}
+        assert tables >= EXPECTED_TABLES
+        for table, expected in SURFACE.items():
+            assert expected <= columns(conn, table), table
+        assert migrate.migrate(conn) == []  # idempotent
+
+
+def test_schema_has_the_constraints_and_indexes_hot_paths_need(empty_db_url: str) -> None:
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        migrate.migrate(conn)
+        indexes = {r[0]: r[1] for r in conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'pgflow'")}
+        assert "WHERE (state = ANY" in indexes["runs_claimable_idx"]
+        assert "lease_expires_at" in indexes["runs_lease_idx"]
+        assert "next_fire_at" in indexes["jobs_due_idx"]
+        unique = conn.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = 'pgflow.runs'::regclass AND contype = 'u'").fetchall()
+        assert ("UNIQUE (job, logical_time)",) in unique
+
+
+def test_concurrent_migrations_apply_once(empty_db_url: str) -> None:
+    results: list[int] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(6)
+
+    def run() -> None:
+        try:
+            with psycopg.connect(empty_db_url, autocommit=True) as conn:
+                barrier.wait()
+                results.append(len(migrate.migrate(conn)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(results) == [0] * 5 + [len(migrate.available())]
+
+
+def test_status_reports_applied_and_pending(empty_db_url: str) -> None:
+    with psycopg.connect(empty_db_url, autocommit=True, row_factory=dict_row) as conn:
+        assert all(s.applied_at is None for s in migrate.status(conn))
+        migrate.migrate(conn)
+        assert all(s.applied_at and not s.modified for s in migrate.status(conn))
+
+
+def test_state_constraints_reject_invalid_rows(conn: psycopg.Connection[Any]) -> None:
+    insert = ("INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,"
+              " finished_at) VALUES ('j', now(), %s, 1, 'manual', 'default', %s)")
+    for state, finished in (("bogus", None), ("succeeded", None), ("queued", "now")):
+        try:
+            with conn.transaction():
+                conn.execute(insert, (state, "now" if finished else None))
+        except psycopg.errors.CheckViolation:
+            continue
+        raise AssertionError(f"state={state} finished={finished} was accepted")
