@@ -10,13 +10,13 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 import psycopg
 
-from pgflow import db, migrate, registry
+from pgflow import db, migrate, registry, runs, status
 from pgflow.config import Settings, load_settings
 from pgflow.errors import NotFound, PgflowError
 from pgflow.queries import q
@@ -240,6 +240,168 @@ def jobs_delete(ctx: Ctx, name: str) -> None:
     """Delete a job; its run history stays, its unstarted runs are cancelled."""
     registry.delete(ctx.conn(), name)
     click.echo(f"{name} deleted")
+
+
+# ---------------------------------------------------------------- trigger and runs
+
+
+def _parse_params(
+    _ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+) -> dict[str, Any] | None:
+    if not values:
+        return None
+    params: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"expected key=value, got {item!r}")
+        try:
+            params[key] = json.loads(raw)
+        except ValueError:
+            params[key] = raw
+    return params
+
+
+def _parse_logical_time(
+    _ctx: click.Context, _param: click.Parameter, value: str | None
+) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"expected ISO 8601 such as 2026-01-31T12:00:00Z, got {value!r}"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@cli.command("trigger")
+@click.argument("name")
+@click.option("--logical-time", callback=_parse_logical_time,
+              help="ISO 8601 time the run is for (naive = UTC; default: now, to the second).")
+@click.option("--param", "params", multiple=True, callback=_parse_params, metavar="KEY=VALUE",
+              help="Run parameter over the job's own; VALUE is JSON if it parses, else text.")
+@click.option("--no-downstream", is_flag=True,
+              help="Do not start downstream jobs after this run.")
+@pass_ctx
+def trigger_command(ctx: Ctx, name: str, logical_time: datetime | None,
+                    params: dict[str, Any] | None, no_downstream: bool) -> None:
+    """Create a manual run of job NAME and print its id."""
+    run_id = runs.trigger(ctx.conn(), name, logical_time, params, downstream=not no_downstream)
+    click.echo(run_id)
+
+
+@cli.group("runs")
+def runs_group() -> None:
+    """Inspect runs and act on them (retry, cancel, acknowledge)."""
+
+
+RUN_ID = click.argument("run_id", metavar="ID", type=int)
+RUN_COLUMNS = ["id", "job", "logical_time", "state", "attempt", "trigger", "tenant",
+               "started_at", "finished_at"]
+
+
+@runs_group.command("list")
+@click.option("--job", help="Only this job's runs.")
+@click.option("--state", help="Only runs in this state.")
+@click.option("--tenant", help="Only this tenant's runs.")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True)
+@json_option
+@pass_ctx
+def runs_list(ctx: Ctx, job: str | None, state: str | None, tenant: str | None, limit: int,
+              as_json: bool) -> None:
+    """List runs, newest first."""
+    rows = runs.list_runs(ctx.conn(), job=job, state=state, tenant=tenant, limit=limit)
+    if as_json:
+        emit_json(rows)
+    else:
+        emit_table(rows, RUN_COLUMNS)
+
+
+@runs_group.command("show")
+@RUN_ID
+@json_option
+@pass_ctx
+def runs_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
+    """Show one run and its attempts."""
+    run = runs.show_run(ctx.conn(), run_id)
+    if as_json:
+        emit_json(run)
+        return
+    attempts = run.pop("attempts")
+    params = run.pop("params")
+    for key, value in run.items():
+        click.echo(f"{key + ':':<18} {'-' if value is None else value}")
+    click.echo(f"{'params:':<18} {json.dumps(params)}")
+    click.echo("attempts:")
+    for attempt in attempts:
+        attempt["error"] = (attempt["error"] or "").strip().split("\n")[0] or None
+    emit_table(attempts, ["attempt", "worker_id", "started_at", "finished_at", "outcome",
+                          "exit_code", "error"])
+
+
+@runs_group.command("retry")
+@RUN_ID
+@pass_ctx
+def runs_retry(ctx: Ctx, run_id: int) -> None:
+    """Queue a failed or cancelled run again, with a fresh attempt budget."""
+    runs.retry(ctx.conn(), run_id)
+    click.echo(f"run {run_id} queued for retry")
+
+
+@runs_group.command("cancel")
+@RUN_ID
+@pass_ctx
+def runs_cancel(ctx: Ctx, run_id: int) -> None:
+    """Cancel a run; a running one is stopped by its worker within seconds."""
+    result = runs.cancel(ctx.conn(), run_id)
+    if result["outcome"] == "cancelled":
+        click.echo(f"run {run_id} cancelled")
+    else:
+        click.echo(f"run {run_id} cancel requested; worker {result['lease_owner']} stops it")
+
+
+@runs_group.command("ack")
+@RUN_ID
+@pass_ctx
+def runs_ack(ctx: Ctx, run_id: int) -> None:
+    """Acknowledge a failed run (it leaves the dead-letter list)."""
+    runs.ack(ctx.conn(), run_id)
+    click.echo(f"run {run_id} acknowledged")
+
+
+# ---------------------------------------------------------------- status
+
+
+@cli.command("status")
+@json_option
+@pass_ctx
+def status_command(ctx: Ctx, as_json: bool) -> None:
+    """Replicas, their roles, the leader and queue depth by state and tenant."""
+    report = status.cluster_status(ctx.conn(), ctx.settings.lease_ttl)
+    if as_json:
+        emit_json(report)
+        return
+    click.echo(_leader_line(report["leader"]))
+    alive = sum(r["alive"] for r in report["replicas"])
+    click.echo(f"replicas: {alive} alive, {len(report['replicas']) - alive} not responding")
+    if report["replicas"]:
+        emit_table(report["replicas"], ["id", "host", "pid", "roles", "version", "concurrency",
+                                        "heartbeat_age_s", "alive"])
+    queue = report["queue"]
+    totals = ", ".join(f"{state} {n}" for state, n in queue["by_state"].items())
+    click.echo(f"queue: {totals}; dead letters {queue['dead_letters']}")
+    if queue["by_tenant"]:
+        emit_table(queue["by_tenant"], ["state", "tenant", "runs"])
+
+
+def _leader_line(leader: dict[str, Any] | None) -> str:
+    if leader is None:
+        return "leader: none"
+    age = f"heartbeat {leader['heartbeat_age_s']:.1f}s ago"
+    stale = "; STALE, a standby will take over" if leader["stale"] else ""
+    return f"leader: {leader['replica_id']} (term {leader['term']}, {age}{stale})"
 
 
 # ---------------------------------------------------------------- entry point

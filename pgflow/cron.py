@@ -31,15 +31,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import MAXYEAR, UTC, date, datetime, timedelta
 from functools import lru_cache
+from typing import NamedTuple
 
 from pgflow.errors import PgflowError
 
 MAX_EXPRESSION_LENGTH = 256
 LOOKBACK = timedelta(days=400)
 
-# A fall-back repeating more wall-clock time than this is not seen coming (the
-# largest present-day one is 2 h, Antarctica/Troll).
-_TRANSITION_HORIZON = timedelta(hours=3)
 _ONE_DAY = timedelta(days=1)
 _ONE_SECOND = timedelta(seconds=1)
 _ONE_MICROSECOND = timedelta(microseconds=1)
@@ -352,6 +350,15 @@ def _compile(expr: str) -> _Matcher:
 # --- schedules ---------------------------------------------------------------
 
 
+class _Fold(NamedTuple):
+    """A stretch of wall-clock time [start, end) that a fall-back repeats."""
+
+    start: datetime
+    end: datetime
+    pre: timedelta  # UTC offset during the first occurrence
+    post: timedelta  # UTC offset during the repeat
+
+
 def _utc_naive(moment: datetime, what: str) -> datetime:
     if not isinstance(moment, datetime) or moment.utcoffset() is None:
         raise ValueError(f"{what} must be a timezone-aware datetime, got {moment!r}")
@@ -422,19 +429,23 @@ class CronSchedule:
             " within the years 1-9999"
         )
 
-    # The search works on wall-clock ticks. Each tick's *earliest* instant never
-    # decreases from one tick to the next, but a tick's second occurrence after a
-    # fall-back can lie after later ticks' first occurrences (with */15, 02:30
-    # repeated is later than 02:45 first time). So the forward search keeps the
-    # best instant so far and stops at the first tick whose earliest instant is
-    # no better; the backward search mirrors this with each tick's latest instant.
+    # The search walks wall-clock ticks. Each tick's earliest instant never
+    # decreases from one tick to the next (nor does its latest), but the repeat of
+    # a tick after a fall-back lies after later ticks' first occurrences (with
+    # */15, 02:30 repeated comes after 02:45 first time). So the walk keeps the best
+    # instant so far and stops at the first tick that cannot beat it. If the wall
+    # clock of the starting instant is itself inside a repeated stretch, the
+    # stretch is handled first so that a per-second schedule does not walk it.
 
     def _next_instant(self, after: datetime) -> datetime:
-        # Starting at the smallest nearby offset also visits ticks already passed on
-        # the wall clock that are about to repeat after a fall-back.
-        offset = min(self._offset_at(after), self._offset_at(after + _TRANSITION_HORIZON))
-        local = self._matcher.next_local(after + offset)
+        wall, repeating = self._wall_clock(after)
+        fold = self._fold_at(wall)
         best: datetime | None = None
+        if fold is not None:
+            best = self._first_repeat(wall if repeating else fold.start - _ONE_MICROSECOND, fold)
+            if repeating:  # the first occurrences of the rest of the stretch are past
+                wall = fold.end - _ONE_MICROSECOND
+        local = self._matcher.next_local(wall)
         while True:
             instants = self._instants(local)
             for instant in instants:
@@ -444,10 +455,31 @@ class CronSchedule:
                 return best
             local = self._matcher.next_local(local)
 
+    def _first_repeat(self, wall: datetime, fold: _Fold) -> datetime | None:
+        """The repeat of the first tick after ``wall`` inside ``fold``, if it fires."""
+        local = self._matcher.next_local(wall)
+        if self._matcher.hour_star and local < fold.end:
+            return local - fold.post
+        return None
+
     def _last_instant(self, moment: datetime) -> datetime | None:
-        offset = max(self._offset_at(moment), self._offset_at(moment - _TRANSITION_HORIZON))
-        floor = (moment + offset - LOOKBACK).date()
-        local = self._matcher.local_at_or_before(moment + offset, floor)
+        wall, repeating = self._wall_clock(moment)
+        floor = (wall - LOOKBACK).date()
+        fold = self._fold_at(wall)
+        if fold is not None:
+            local = self._matcher.local_at_or_before(wall, floor)
+            if local is not None and local >= fold.start:
+                # Repeats come after every first occurrence, and first occurrences in
+                # the stretch after every earlier tick.
+                if not repeating:
+                    return local - fold.pre
+                if self._matcher.hour_star:
+                    return local - fold.post
+            if repeating:  # first occurrences up to the end of the stretch are past
+                wall = fold.end - _ONE_SECOND
+        return self._walk_back(self._matcher.local_at_or_before(wall, floor), moment, floor)
+
+    def _walk_back(self, local: datetime | None, moment: datetime, floor: date) -> datetime | None:
         best: datetime | None = None
         while local is not None:
             instants = self._instants(local)
@@ -459,6 +491,21 @@ class CronSchedule:
             local = self._matcher.local_at_or_before(local - _ONE_SECOND, floor)
         return best
 
+    def _wall_clock(self, utc: datetime) -> tuple[datetime, bool]:
+        """The local wall-clock time of ``utc`` and whether it is a repeat."""
+        local = utc.replace(tzinfo=UTC).astimezone(self._tz)
+        return local.replace(tzinfo=None, fold=0), local.fold == 1
+
+    def _fold_at(self, wall: datetime) -> _Fold | None:
+        """The repeated stretch of wall-clock time containing ``wall``, if any."""
+        first = wall - self._wall_offset(wall, 0)
+        second = wall - self._wall_offset(wall, 1)
+        if first >= second:
+            return None
+        transition = self._transition(first, second)
+        pre, post = wall - first, wall - second
+        return _Fold(start=transition + post, end=transition + pre, pre=pre, post=post)
+
     def _instants(self, local: datetime) -> tuple[datetime, ...]:
         """The UTC instants (ascending) at which wall-clock tick ``local`` fires."""
         # PEP 495: fold=0 reads a wall time with the offset in force before a
@@ -469,11 +516,11 @@ class CronSchedule:
             return (first,)
         if first < second:  # the wall time happens twice (fall-back)
             return (first, second) if self._matcher.hour_star else (first,)
-        return (self._gap_end(second, first),)  # the wall time is skipped (spring-forward)
+        return (self._transition(second, first),)  # the wall time is skipped (spring-forward)
 
-    def _gap_end(self, before: datetime, after: datetime) -> datetime:
-        """The transition instant in ``(before, after]`` (1 s precision): the first
-        instant whose offset is the post-transition one."""
+    def _transition(self, before: datetime, after: datetime) -> datetime:
+        """The instant in ``(before, after]`` at which the offset changes to the one in
+        force at ``after`` (1 s precision)."""
         target = self._offset_at(after)
         low, high = 0, int((after - before).total_seconds())
         while high - low > 1:

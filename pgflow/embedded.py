@@ -35,6 +35,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import time
@@ -74,6 +75,11 @@ _OFF = frozenset({"off", "false", "no", "0"})
 _TRANSIENT_START = re.compile(
     r"lock file|shared memory|already in use|another postmaster|could not bind", re.IGNORECASE
 )
+# A server that is there but cannot take connections yet (crash recovery, startup).
+_NOT_READY = re.compile(r"starting up|in recovery|recovery mode|not yet accepting")
+
+_PF_EXITING = 0x4  # task flag in /proc/<pid>/stat: do_exit() has begun
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
 _NOT_FOUND_MESSAGE = (
     "PostgreSQL server binaries not found: install PostgreSQL >= 14 "
@@ -92,7 +98,12 @@ class PostgresNotFound(DatabaseUnavailable):
 
 
 def find_bindir() -> Path:
-    """The directory of PostgreSQL >= 14 server binaries to use (see the search order)."""
+    """The directory of PostgreSQL >= 14 server binaries.
+
+    Searched in order: $PGFLOW_PG_BINDIR (final if set), a PATH directory holding initdb,
+    pg_ctl and postgres, ``pg_config --bindir``, the newest /usr/lib/postgresql/*/bin,
+    /usr/local/pgsql/bin, then the binaries bundled by the optional pgserver wheels.
+    """
     override = os.environ.get("PGFLOW_PG_BINDIR")
     if override:
         bindir = Path(override).expanduser()
@@ -145,10 +156,13 @@ def _bundled_bindirs() -> Iterator[Path]:
 
 
 def _has_binaries(directory: Path) -> bool:
-    return all(
-        (directory / name).is_file() and os.access(directory / name, os.X_OK)
-        for name in SERVER_BINARIES
-    )
+    try:
+        return all(
+            (directory / name).is_file() and os.access(directory / name, os.X_OK)
+            for name in SERVER_BINARIES
+        )
+    except OSError:  # e.g. a PATH entry inside someone else's 0700 home
+        return False
 
 
 def _usable_bindir(directory: Path) -> bool:
@@ -240,18 +254,44 @@ def _service_user(create: bool) -> _OsUser | None:
 
 
 def _create_os_user(name: str) -> None:
-    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
-    args = [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
-    try:
-        result = subprocess.run(args, capture_output=True, text=True, check=False)
-    except OSError as exc:
-        result = subprocess.CompletedProcess(args, 1, "", str(exc))
-    # A concurrent pgflow may have created it meanwhile: the caller looks it up again.
-    if result.returncode != 0 and _OsUser.lookup(name) is None:
+    # Concurrent useradd runs were measured to lose each other's passwd entries: serialise.
+    _make_public_dirs(FALLBACK_CLUSTERS.parent)
+    with _flock(FALLBACK_CLUSTERS.parent / "os-user.lock", f"creating OS user {name!r}"):
+        if _OsUser.lookup(name) is not None:
+            return
+        useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+        args = [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+        try:
+            result = subprocess.run(args, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            result = subprocess.CompletedProcess(args, 1, "", str(exc))
+    if result.returncode != 0:
         raise DatabaseUnavailable(
             f"cannot create OS user {name!r} to run PostgreSQL ({_last_line(result.stderr)}): "
             "create it or set PGFLOW_PG_OS_USER to an existing unprivileged user"
         )
+
+
+@contextlib.contextmanager
+def _flock(path: Path, purpose: str) -> Iterator[None]:
+    """Hold an exclusive flock on `path` (created if missing), polling up to a timeout."""
+    # os.open fds are not inherited, so a detached server never keeps holding the lock.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + LOCK_TIMEOUT_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise DatabaseUnavailable(
+                        f"timed out waiting for {path} (another pgflow is {purpose})"
+                    ) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _can_search(path: Path, user: _OsUser) -> bool:
@@ -275,18 +315,23 @@ def _can_search(path: Path, user: _OsUser) -> bool:
 # --------------------------------------------------------------------------- processes
 
 
+def _has_proc() -> bool:
+    return Path("/proc/self").exists()
+
+
 def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, pgrp) of a process from /proc, or None if it does not exist."""
+    """(state, ppid, flags) of a process from /proc, or None if it does not exist."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1]), int(fields[2])
+    return fields[0], int(fields[1]), int(fields[6])
 
 
 def _exists(pid: int) -> bool:
-    if Path("/proc/self").exists():
+    """The pid is taken, possibly by a zombie."""
+    if _has_proc():
         return _proc_stat(pid) is not None
     try:
         os.kill(pid, 0)
@@ -297,33 +342,79 @@ def _exists(pid: int) -> bool:
     return True
 
 
+def _lingering(pid: int) -> bool:
+    """Exists and is not a zombie: it may still hold files and shared memory."""
+    if not _has_proc():
+        return _exists(pid)
+    info = _proc_stat(pid)
+    return info is not None and info[0] not in ("Z", "X")
+
+
 def _alive(pid: int) -> bool:
-    """Exists and is not a zombie (a dead child nobody has reaped yet)."""
-    if Path("/proc/self").exists():
-        info = _proc_stat(pid)
-        return info is not None and info[0] not in ("Z", "X")
-    return _exists(pid)
+    """Lingering and not on its way out (SIGKILLed, or already exiting)."""
+    if not _has_proc():
+        return _exists(pid)
+    info = _proc_stat(pid)
+    if info is None or info[0] in ("Z", "X") or info[2] & _PF_EXITING:
+        return False
+    return not _sigkill_pending(pid)
 
 
-def _related_pids(pid: int) -> set[int]:
-    """Children and process-group members of `pid` (Linux only; empty elsewhere)."""
-    related: set[int] = set()
-    with contextlib.suppress(OSError):
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) != pid:
-                info = _proc_stat(int(entry))
-                if info is not None and pid in (info[1], info[2]):
-                    related.add(int(entry))
-    return related
+def _sigkill_pending(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s+([0-9a-fA-F]+)", status, re.MULTILINE)
+    return any(int(mask, 16) & _SIGKILL_BIT for mask in masks)
+
+
+def _children(pid: int) -> set[int]:
+    children: set[int] = set()
+    for entry in _proc_pids():
+        info = _proc_stat(entry)
+        if info is not None and info[1] == pid:
+            children.add(entry)
+    return children
+
+
+def _proc_pids() -> list[int]:
+    try:
+        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return []
+
+
+def _processes_in(directory: Path) -> set[int] | None:
+    """Lingering processes whose working directory is `directory`; None if we cannot tell.
+
+    Every PostgreSQL process works in its data directory, so this finds a dying postmaster
+    and backends orphaned by its crash (each backend is its own process group leader).
+    """
+    if not _has_proc():
+        return None
+    server_uid = _server_uid()
+    found: set[int] = set()
+    for pid in _proc_pids():
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except PermissionError:
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{pid}").st_uid == server_uid:
+                    return None  # could be one of ours
+            continue
+        except OSError:
+            continue
+        if cwd == str(directory) and _lingering(pid):
+            found.add(pid)
+    return found
 
 
 def _proc_uid(pid: int) -> int | None:
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
         return None
-    match = re.search(r"^Uid:\s+(\d+)", status, re.MULTILINE)
-    return int(match.group(1)) if match else None
 
 
 def _server_uid() -> int:
@@ -335,9 +426,20 @@ def _wait_for_exit(pids: Iterable[int], timeout: float = EXIT_WAIT_SECONDS) -> N
     deadline = time.monotonic() + timeout
     waiting = set(pids)
     while waiting and time.monotonic() < deadline:
-        waiting = {pid for pid in waiting if _alive(pid)}
+        waiting = {pid for pid in waiting if _lingering(pid)}
         if waiting:
             time.sleep(0.02)
+
+
+def _socket_accepts(path: Path) -> bool:
+    """Whether a server listens on the unix socket (no protocol: logs nothing)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _child_env() -> dict[str, str]:
@@ -472,24 +574,22 @@ class Cluster:
     def ensure_running(self) -> str:
         """Initialise, start and create the database as needed; return the URL."""
         site, user = self._prepare()
-        with self._locked(site):
+        with _flock(site.lock, "starting or stopping this database"):
             if not self._initialised(site):
                 self._initdb(site, user)
-            if self._running_pid(site) is None:
-                self._start(site, user)
+            self._start_unless_serving(site, user)
             self._create_database(site)
         return self._url(site, self.database)
 
     def start(self) -> None:
         """Start the initialised server unless it is running (stale lock files tolerated)."""
         site, user = self._prepare()
-        with self._locked(site):
+        with _flock(site.lock, "starting or stopping this database"):
             if not self._initialised(site):
                 raise DatabaseUnavailable(
                     f"no PostgreSQL cluster in {site.data}: use ensure_running() to create it"
                 )
-            if self._running_pid(site) is None:
-                self._start(site, user)
+            self._start_unless_serving(site, user)
 
     def stop(self, mode: str = "fast") -> bool:
         """Shut the server down (pg_ctl stop -m `mode`); False if it was not running."""
@@ -498,7 +598,7 @@ class Cluster:
         site = self._site()
         if not site.data.is_dir():
             return False
-        with self._locked(site):
+        with _flock(site.lock, "starting or stopping this database"):
             pid = self._running_pid(site)
             if pid is None:
                 return False
@@ -512,22 +612,19 @@ class Cluster:
             return True
 
     def kill(self) -> None:
-        """SIGKILL the postmaster and all its processes, like a crash would."""
+        """SIGKILL the postmaster and every process of this cluster, like a crash would."""
         site = self._site()
+        victims = _processes_in(site.data) or set()
         pid = self._running_pid(site)
-        if pid is None:
-            return
-        victims = _related_pids(pid)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            # The postmaster leads its own process group (pg_ctl calls setsid).
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, signal.SIGKILL)
-            else:
+        if pid is not None:
+            victims |= _children(pid) | {pid}
+            # The postmaster first, so that it cannot react to its children dying.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        for victim in victims:
+        for victim in victims - {pid}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(victim, signal.SIGKILL)
-        _wait_for_exit([pid, *victims])
+        _wait_for_exit(victims)
 
     def is_running(self) -> bool:
         return self._running_pid(self._site()) is not None
@@ -559,14 +656,14 @@ class Cluster:
             return target
         return FALLBACK_CLUSTERS / _digest(str(target), 16)
 
-    def _site(self, user: _OsUser | None = None) -> _Site:
+    def _site(self) -> _Site:
         """The layout, computed without creating anything."""
-        real = self._real_root(user or _service_user(create=False))
+        real = self._real_root(_service_user(create=False))
         return _Site(real, _socket_dir_for(real))
 
     def _prepare(self) -> tuple[_Site, _OsUser | None]:
         """Create the folders with the right owners; decide symlink and socket dir."""
-        self._bindir = self.bindir  # fail with PostgresNotFound before creating anything
+        _ = self.bindir  # raise PostgresNotFound before creating anything
         user = _service_user(create=True)
         self.root.parent.mkdir(parents=True, exist_ok=True)
         real = self._real_root(user)
@@ -595,27 +692,6 @@ class Cluster:
                 f"PostgreSQL binaries in {self.bindir} are not reachable by OS user "
                 f"{user.name!r}: set PGFLOW_PG_BINDIR to a system-wide installation"
             )
-
-    @contextlib.contextmanager
-    def _locked(self, site: _Site) -> Iterator[None]:
-        # os.open fds are not inherited, so the detached server never holds this lock.
-        fd = os.open(site.lock, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            deadline = time.monotonic() + LOCK_TIMEOUT_SECONDS
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise DatabaseUnavailable(
-                            f"timed out waiting for {site.lock} (another pgflow is starting "
-                            "the database)"
-                        ) from None
-                    time.sleep(0.05)
-            yield
-        finally:
-            os.close(fd)
 
     # ----------------------------------------------------------------- server
 
@@ -651,6 +727,24 @@ class Cluster:
             raise DatabaseUnavailable(f"initdb failed for {site.data}: {_last_line(result.stderr)}")
         scratch.rename(site.data)
 
+    def _start_unless_serving(self, site: _Site, user: _OsUser | None) -> None:
+        """Reuse a server whose socket accepts connections; otherwise start one.
+
+        A live pid is not enough: a postmaster that was just SIGKILLed lingers for a moment,
+        and one that is starting up has not opened its socket yet.
+        """
+        deadline = time.monotonic() + PG_CTL_WAIT_SECONDS
+        while (pid := self._running_pid(site)) is not None:
+            if _socket_accepts(site.socket_dir / SOCKET_FILE):
+                return
+            if time.monotonic() > deadline:
+                raise DatabaseUnavailable(
+                    f"PostgreSQL (pid {pid}) in {site.data} is running but does not accept "
+                    f"connections on {site.socket_dir}; see {site.log}"
+                )
+            time.sleep(0.05)
+        self._start(site, user)
+
     def _start(self, site: _Site, user: _OsUser | None) -> None:
         self._check_version(site)
         _rotate_log(site.log)
@@ -666,6 +760,8 @@ class Cluster:
             "-t",
             str(PG_CTL_WAIT_SECONDS),
         ]
+        # Let a dying postmaster and its orphaned backends go first (they exit on their own).
+        _wait_for_exit(_processes_in(site.data) or set(), timeout=START_RETRY_SECONDS)
         deadline = time.monotonic() + START_RETRY_SECONDS
         while True:
             self._clear_stale_locks(site)
@@ -678,7 +774,7 @@ class Cluster:
                 raise DatabaseUnavailable(
                     f"PostgreSQL in {site.data} failed to start ({site.log}): {problem}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
 
     def _server_options(self, site: _Site) -> str:
         options = {
@@ -722,34 +818,46 @@ class Cluster:
             return False
 
     def _clear_stale_locks(self, site: _Site) -> None:
-        """Remove lock files naming a zombie or an unrelated live process.
+        """Remove lock files naming a zombie or a recycled pid, once nothing runs in data/.
 
-        PostgreSQL only treats a lock file as stale when its pid is gone; a crashed
-        postmaster that nobody has reaped yet, or a recycled pid, would block the start.
+        PostgreSQL only treats a lock file as stale when its pid is gone, so a crashed
+        postmaster that nobody has reaped yet would block the start. While any process
+        still works in data/ (a dying postmaster, orphaned backends) the lock files stay:
+        they are PostgreSQL's guard against two servers on one data directory.
         """
+        if _processes_in(site.data) != set():
+            return
         for lock in (site.pidfile, site.socket_dir / f"{SOCKET_FILE}.lock"):
             pid = _pidfile_pid(lock)
-            if pid is not None and _exists(pid) and not self._is_postmaster(pid, site):
+            if pid is not None and _exists(pid):
                 lock.unlink(missing_ok=True)
 
     def _create_database(self, site: _Site) -> None:
-        try:
-            with psycopg.connect(
-                self._url(site, "postgres"), autocommit=True, connect_timeout=10
-            ) as conn:
-                found = conn.execute(
-                    "SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)
-                ).fetchone()
-                if found is None:
+        deadline = time.monotonic() + PG_CTL_WAIT_SECONDS
+        while True:
+            try:
+                self._create_database_once(site)
+                return
+            except psycopg.Error as exc:
+                problem = _one_line(str(exc))
+                # The server's own messages are in English: initdb gave it the C locale.
+                if time.monotonic() > deadline or not _NOT_READY.search(problem):
+                    raise DatabaseUnavailable(
+                        f"cannot use the embedded PostgreSQL at {site.socket_dir}: {problem}"
+                    ) from exc
+            time.sleep(0.1)
+
+    def _create_database_once(self, site: _Site) -> None:
+        url = self._url(site, "postgres")
+        with psycopg.connect(url, autocommit=True, connect_timeout=10) as conn:
+            found = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)
+            ).fetchone()
+            if found is None:
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
                     conn.execute(
                         sql.SQL("CREATE DATABASE {}").format(sql.Identifier(self.database))
                     )
-        except psycopg.errors.DuplicateDatabase:
-            pass
-        except psycopg.Error as exc:
-            raise DatabaseUnavailable(
-                f"cannot use the embedded PostgreSQL at {site.socket_dir}: {_one_line(str(exc))}"
-            ) from exc
 
     # ----------------------------------------------------------------- subprocesses
 

@@ -6,6 +6,7 @@ import hashlib
 import multiprocessing
 import os
 import shutil
+import signal
 import stat
 import tempfile
 from collections.abc import Callable, Iterator
@@ -177,6 +178,20 @@ def test_kill_then_start_recovers_committed_rows(shared: Cluster) -> None:
     shared.start()
     assert shared.postmaster_pid() not in (None, old_pid)
     assert _scalar(url, "SELECT count(*) FROM survivors") == 2
+
+
+def test_raw_sigkill_of_the_postmaster_alone_then_ensure_running(shared: Cluster) -> None:
+    url = shared.ensure_running()
+    idle = psycopg.connect(url)  # a backend left orphaned by the kill
+    pid = shared.postmaster_pid()
+    assert pid is not None
+
+    os.kill(pid, signal.SIGKILL)  # no waiting: it may still be dying when we restart
+
+    assert shared.ensure_running() == url
+    assert shared.postmaster_pid() not in (None, pid)
+    assert _scalar(url, "SELECT 1") == 1
+    idle.close()
 
 
 # --------------------------------------------------------------------------- own clusters

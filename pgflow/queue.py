@@ -1,0 +1,81 @@
+"""The run lifecycle statements, shaped for batches: claim, renew, finish.
+
+These are the only writers of ``running`` and of attempt endings; the SQL is in
+``sql/queries/queue.sql``. Each call is one statement whatever the batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from pgflow.queries import q
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How one attempt ended and what its run becomes."""
+
+    run_id: int
+    attempt: int
+    owner: str
+    state: str
+    outcome: str
+    started_at: datetime | None
+    delay_s: float = 0.0
+    exit_code: int | None = None
+    error: str | None = None
+    stdout_tail: str | None = None
+    stderr_tail: str | None = None
+
+
+def finish_params(finishes: Sequence[Finish]) -> dict[str, list[Any]]:
+    return {
+        "ids": [f.run_id for f in finishes],
+        "attempts": [f.attempt for f in finishes],
+        "owners": [f.owner for f in finishes],
+        "states": [f.state for f in finishes],
+        "delays": [f.delay_s for f in finishes],
+        "outcomes": [f.outcome for f in finishes],
+        "started": [f.started_at for f in finishes],
+        "exit_codes": [f.exit_code for f in finishes],
+        "errors": [_clean(f.error) for f in finishes],
+        "stdouts": [_clean(f.stdout_tail) for f in finishes],
+        "stderrs": [_clean(f.stderr_tail) for f in finishes],
+    }
+
+
+def _clean(text: str | None) -> str | None:
+    # PostgreSQL text cannot hold NUL; job output can.
+    return None if text is None else text.replace("\x00", "\ufffd")
+
+
+async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
+                ttl: float) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(q("claim_runs"), {"worker": worker, "limit": limit, "ttl": ttl})
+    return await cur.fetchall()
+
+
+async def renew(conn: psycopg.AsyncConnection[Any], worker: str,
+                ttl: float) -> list[dict[str, Any]]:
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(q("renew_leases"), {"worker": worker, "ttl": ttl})
+    return await cur.fetchall()
+
+
+async def finish(conn: psycopg.AsyncConnection[Any],
+                 finishes: Sequence[Finish]) -> dict[int, str]:
+    """End attempts; returns {run_id: new state} for those that were still ours."""
+    async with conn.transaction():
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(q("finish_attempts"), finish_params(finishes))
+        done = {row["id"]: row["state"] for row in await cur.fetchall()}
+        if any(state in ("queued", "retrying") for state in done.values()):
+            await cur.execute(q("notify_queue"))
+    return done

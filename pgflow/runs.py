@@ -1,0 +1,229 @@
+"""Operator actions on runs: trigger, list, show, retry, cancel, ack, dead letters.
+
+Each state change is one UPDATE guarded by the states it may start from. When it
+changes nothing (the run is in another state, or another operator or a worker got
+there first) the run is read again so the refusal names its current state and
+what to do instead. Functions take a sync dict-row connection; they open their
+own transaction where they write more than one statement.
+"""
+
+from __future__ import annotations
+
+import difflib
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from pgflow.errors import Conflict, NotFound, PgflowError
+from pgflow.queries import q
+
+Conn = psycopg.Connection[dict[str, Any]]
+Row = dict[str, Any]
+
+RUN_STATES = ("pending", "queued", "running", "retrying", "succeeded", "failed", "cancelled",
+              "upstream_failed")
+ACTIVE_STATES = ("pending", "queued", "running", "retrying")
+_MAX_ID = 2**63 - 1
+
+
+class InvalidInput(PgflowError):
+    """An argument is not acceptable (unknown state, bad limit)."""
+
+
+# ---------------------------------------------------------------- trigger
+
+
+def trigger(
+    conn: Conn,
+    job: str,
+    logical_time: datetime | None = None,
+    params: dict[str, Any] | None = None,
+    *,
+    downstream: bool = True,
+) -> int:
+    """Create a manual run of ``job`` and return its id.
+
+    ``logical_time`` defaults to the database's now() truncated to the second;
+    ``params`` are merged over the job's own. One run per (job, logical time):
+    a second trigger for the same pair is refused. ``downstream=False`` asks
+    that no dependency runs follow this one; runs of downstream jobs are not
+    created from manual triggers yet, so it is honoured trivially.
+    """
+    del downstream
+    if logical_time is not None and logical_time.tzinfo is None:
+        logical_time = logical_time.replace(tzinfo=UTC)
+    with conn.transaction():
+        when = logical_time if logical_time is not None else _db_second(conn)
+        created = conn.execute(q("create_runs"), {
+            "jobs": [job], "times": [when], "trigger": "manual",
+            "params": None if params is None else Jsonb(params),
+        }).fetchone()
+        if created is None:
+            raise _trigger_refusal(conn, job, when)
+        conn.execute(q("notify_queue"))
+    return int(created["id"])
+
+
+def _db_second(conn: Conn) -> datetime:
+    row = conn.execute(q("run_db_second"), {"now": None}).fetchone()
+    assert row is not None
+    now: datetime = row["now"]
+    return now
+
+
+def _trigger_refusal(conn: Conn, job: str, when: datetime) -> PgflowError:
+    existing = conn.execute(q("run_by_logical_time"), {"job": job, "logical_time": when}).fetchone()
+    if existing is None:
+        return NotFound(unknown_job_message(conn, job))
+    run_id = existing["id"]
+    return Conflict(
+        f"job {job!r} already has run {run_id} for logical time {iso_utc(when)};"
+        f" pass a different --logical-time or retry run {run_id}"
+    )
+
+
+def unknown_job_message(conn: Conn, job: str) -> str:
+    names = [row["name"] for row in conn.execute(q("run_job_names"))]
+    close = difflib.get_close_matches(job, names, n=1)
+    hint = f", did you mean {close[0]!r}?" if close else " (see 'pgflow jobs list')"
+    return f"no job named {job!r}{hint}"
+
+
+def iso_utc(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat()
+
+
+# ---------------------------------------------------------------- reading
+
+
+def list_runs(
+    conn: Conn,
+    job: str | None = None,
+    state: str | None = None,
+    tenant: str | None = None,
+    limit: int = 100,
+    before_id: int | None = None,
+) -> list[Row]:
+    """Runs newest first, optionally filtered; ``before_id`` pages (ids below it)."""
+    if state is not None:
+        check_state(state)
+    if limit < 1:
+        raise InvalidInput(f"limit must be at least 1, got {limit}")
+    query = "runs_list_by_job" if job is not None else (
+        "runs_list_by_state" if state is not None else "runs_list_all")
+    args = {"job": job, "state": state, "tenant": tenant, "limit": limit,
+            "before_id": None if before_id is None else min(max(before_id, 0), _MAX_ID)}
+    return conn.execute(q(query), args).fetchall()
+
+
+def check_state(state: str) -> None:
+    if state in RUN_STATES:
+        return
+    close = difflib.get_close_matches(state, RUN_STATES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise InvalidInput(f"unknown run state {state!r}; {hint}valid states: {', '.join(RUN_STATES)}")
+
+
+def show_run(conn: Conn, run_id: int) -> Row:
+    """One run with its attempts; the attempt in progress has no outcome yet."""
+    run = _get(conn, run_id)
+    run["attempts"] = conn.execute(q("run_attempts"), {"id": run_id}).fetchall()
+    return run
+
+
+def dead_letters(conn: Conn, limit: int = 100) -> list[Row]:
+    """Failed runs nobody has acknowledged yet, newest first, with their last error."""
+    if limit < 1:
+        raise InvalidInput(f"limit must be at least 1, got {limit}")
+    return conn.execute(q("runs_dead_letters"), {"limit": limit}).fetchall()
+
+
+def _get(conn: Conn, run_id: int) -> Row:
+    _check_id(run_id)
+    row = conn.execute(q("run_get"), {"id": run_id}).fetchone()
+    if row is None:
+        raise _no_run(run_id)
+    return row
+
+
+def _check_id(run_id: int) -> None:
+    if not 0 < run_id <= _MAX_ID:
+        raise _no_run(run_id)
+
+
+def _no_run(run_id: int) -> NotFound:
+    return NotFound(f"no run {run_id} (see 'pgflow runs list')")
+
+
+# ---------------------------------------------------------------- actions
+
+
+def retry(conn: Conn, run_id: int) -> Row:
+    """Queue a failed or cancelled run again with a fresh attempt budget."""
+    _check_id(run_id)
+    with conn.transaction():
+        changed = conn.execute(q("run_retry"), {"id": run_id, "now": None}).fetchone()
+        if changed is not None:
+            conn.execute(q("notify_queue"))
+    if changed is None:
+        raise _retry_refusal(_get(conn, run_id))
+    return changed
+
+
+def _retry_refusal(run: Row) -> PgflowError:
+    rid, state = run["id"], run["state"]
+    if state in ("failed", "cancelled"):
+        return Conflict(f"run {rid}'s job {run['job']!r} no longer exists; register it again"
+                        f" (pgflow apply) before retrying run {rid}")
+    reasons = {
+        "running": f"run {rid} is running; cancel it first",
+        "succeeded": f"run {rid} succeeded; use 'pgflow trigger' for a new run",
+        "upstream_failed": (f"run {rid} is upstream_failed: retry the failed upstream run instead"
+                            " (retrying an upstream_failed run directly is not supported yet)"),
+    }
+    return Conflict(reasons.get(state, f"run {rid} is already {state}; nothing to retry"))
+
+
+def cancel(conn: Conn, run_id: int) -> Row:
+    """Cancel a run that has not finished.
+
+    An unstarted run becomes ``cancelled`` at once. A running one is flagged
+    ``cancel_requested`` and its worker is told on ``pgflow_cancel``; the worker
+    (or the reaper) records the final state. The result's ``outcome`` is
+    ``cancelled`` or ``cancel requested``.
+    """
+    _check_id(run_id)
+    changed = conn.execute(q("run_cancel"), {"id": run_id, "now": None}).fetchone()
+    if changed is None:
+        raise _cancel_refusal(_get(conn, run_id))
+    requested = changed["state"] == "running"
+    return {**changed, "outcome": "cancel requested" if requested else "cancelled"}
+
+
+def _cancel_refusal(run: Row) -> PgflowError:
+    rid, state = run["id"], run["state"]
+    reasons = {
+        "succeeded": f"run {rid} already succeeded; nothing to cancel",
+        "cancelled": f"run {rid} is already cancelled",
+        "failed": (f"run {rid} already failed; nothing to cancel"
+                   f" (acknowledge it with 'pgflow runs ack {rid}')"),
+    }
+    return Conflict(reasons.get(state, f"run {rid} is {state} (finished); nothing to cancel"))
+
+
+def ack(conn: Conn, run_id: int) -> Row:
+    """Acknowledge a failed run: it leaves the dead-letter view."""
+    _check_id(run_id)
+    changed = conn.execute(q("run_ack"), {"id": run_id, "now": None}).fetchone()
+    if changed is None:
+        raise _ack_refusal(_get(conn, run_id))
+    return changed
+
+
+def _ack_refusal(run: Row) -> PgflowError:
+    rid, state = run["id"], run["state"]
+    if state == "failed":
+        return Conflict(f"run {rid} was already acknowledged at {iso_utc(run['acked_at'])}")
+    return Conflict(f"run {rid} is {state}; only failed runs can be acknowledged")

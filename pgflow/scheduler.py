@@ -1,0 +1,200 @@
+"""Turning cron ticks into runs.
+
+Every root job (one with a schedule) persists the instant of its next tick in
+``pgflow.jobs.next_fire_at``. A scheduling pass locks the due jobs, decides in
+Python which logical times to create (``plan_fires``, pure), then creates all
+their runs with one ``create_runs`` and advances all their fire times with one
+UPDATE, in the same transaction. A tick is therefore consumed exactly when its
+run is committed: a crash before the commit leaves both untouched (the next
+pass fires it), and ``UNIQUE (job, logical_time)`` turns a repeated attempt
+into a no-op. Because the fire time is persisted, ticks missed while no
+scheduler ran are seen on restart and handled by the job's ``catchup`` policy.
+
+Time is the database's: ``now()`` of the pass's transaction, or a pinned
+``now`` in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from functools import lru_cache
+from itertools import islice
+from typing import Any
+
+from psycopg import AsyncConnection
+from psycopg.rows import dict_row
+
+from pgflow.cron import CronError, CronSchedule, parse_cron
+from pgflow.queries import q
+
+# Under catchup = "none", a tick this close to the pass's time is on time and fires;
+# older missed ticks are skipped. One minute absorbs a leader change or a slow pass
+# without turning an outage into a burst of stale runs.
+MISFIRE_GRACE = timedelta(seconds=60)
+
+# Ticks created for one job in one pass under catchup = "all"; the rest of a backlog
+# follows in later passes.
+MAX_TICKS_PER_PASS = 1000
+
+# Passes one run_once call makes while passes come back full; the leader calls again
+# right away if work is left, heartbeating in between.
+MAX_PASSES = 50
+
+_ONE_MICROSECOND = timedelta(microseconds=1)
+
+
+@lru_cache(maxsize=1024)
+def schedule_for(expr: str, timezone: str) -> CronSchedule:
+    """The parsed schedule; thousands of jobs usually share a handful of them."""
+    return parse_cron(expr, timezone)
+
+
+def plan_fires(
+    schedule: str,
+    timezone: str,
+    next_fire_at: datetime,
+    catchup: str,
+    now: datetime,
+    max_ticks: int = MAX_TICKS_PER_PASS,
+) -> tuple[list[datetime], datetime]:
+    """The logical times to create now and the job's new ``next_fire_at``.
+
+    ``next_fire_at`` is the first tick not yet created; ticks in
+    ``[next_fire_at, now]`` are due. ``catchup`` decides which of them fire:
+
+    * ``latest``: only the newest; the fire time moves past ``now``.
+    * ``all``: every one, oldest first, at most ``max_ticks``; the fire time
+      becomes the first tick not created (still due if the backlog is longer).
+    * ``none``: only those within ``MISFIRE_GRACE`` of ``now``; the fire time
+      moves past ``now``.
+
+    A job due exactly at ``now`` creates that one tick under every policy. A job
+    not due yet creates nothing and keeps its fire time.
+    """
+    if next_fire_at > now:
+        return [], next_fire_at
+    cron = schedule_for(schedule, timezone)
+    if catchup == "all":
+        fires = list(islice(_ticks_through(cron, next_fire_at, now), max_ticks))
+        return fires, cron.next_after(fires[-1] if fires else now)
+    if catchup == "none":
+        start = max(next_fire_at, now - MISFIRE_GRACE)
+        fires = list(islice(_ticks_through(cron, start, now), max_ticks))
+        return fires, cron.next_after(now)
+    if catchup == "latest":
+        latest = _latest_tick(cron, next_fire_at, now)
+        return ([] if latest is None else [latest]), cron.next_after(now)
+    raise ValueError(f"unknown catchup policy {catchup!r}: expected latest, all or none")
+
+
+def _ticks_through(cron: CronSchedule, start: datetime, end: datetime) -> Iterator[datetime]:
+    """Ticks ``t`` with ``start <= t <= end``."""
+    return cron.ticks_between(start, end + _ONE_MICROSECOND)
+
+
+def _latest_tick(cron: CronSchedule, start: datetime, end: datetime) -> datetime | None:
+    latest = cron.last_at_or_before(end)
+    if latest is None:
+        # The backward search looks about a year back; a rarer schedule (29 February)
+        # is walked forward instead, which is cheap precisely because it is rare.
+        for tick in _ticks_through(cron, start, end):
+            latest = tick
+    return latest if latest is not None and latest >= start else None
+
+
+@dataclass
+class SchedulePass:
+    """What one ``run_once`` call did."""
+
+    passes: int = 0
+    jobs_due: int = 0
+    jobs_fired: int = 0
+    runs_created: int = 0
+    # Jobs whose schedule could not be evaluated: their fire time was cleared.
+    broken: list[str] = field(default_factory=list)
+    # The last pass was full: more due jobs may be waiting.
+    more: bool = False
+
+
+@dataclass
+class _Plan:
+    run_jobs: list[str] = field(default_factory=list)
+    run_times: list[datetime] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    next_times: list[datetime | None] = field(default_factory=list)
+    fired: int = 0
+    broken: list[str] = field(default_factory=list)
+
+
+def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime) -> _Plan:
+    """Plan a batch of due job rows; identical schedules in the batch are planned once."""
+    plan = _Plan()
+    memo: dict[tuple[str, str, datetime, str], tuple[list[datetime], datetime]] = {}
+    for row in rows:
+        key = (row["schedule"], row["timezone"], row["next_fire_at"], row["catchup"])
+        try:
+            if key not in memo:
+                memo[key] = plan_fires(*key, now)
+            fires, next_fire_at = memo[key]
+        except (CronError, ValueError):
+            plan.broken.append(row["name"])
+            plan.names.append(row["name"])
+            plan.next_times.append(None)
+            continue
+        plan.names.append(row["name"])
+        plan.next_times.append(next_fire_at)
+        plan.run_jobs += [row["name"]] * len(fires)
+        plan.run_times += fires
+        plan.fired += bool(fires)
+    return plan
+
+
+async def run_once(
+    conn: AsyncConnection[Any], now: datetime | None = None, batch: int = 1000
+) -> SchedulePass:
+    """Create the runs of every due tick, ``batch`` jobs per transaction.
+
+    Passes repeat while they come back full (up to ``MAX_PASSES``), so a burst of
+    10,000 jobs due at the same instant is handled within one call. ``now`` pins
+    the clock (tests); by default each pass uses the database's ``now()``.
+    """
+    result = SchedulePass()
+    while result.passes < MAX_PASSES:
+        due = await _one_pass(conn, now, batch, result)
+        result.passes += 1
+        result.more = due >= batch
+        if not result.more:
+            break
+    return result
+
+
+async def _one_pass(
+    conn: AsyncConnection[Any], now: datetime | None, batch: int, result: SchedulePass
+) -> int:
+    async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        await cur.execute(q("scheduler_now"), {"now": now})
+        clock = await cur.fetchone()
+        assert clock is not None  # a SELECT without FROM returns one row
+        pass_now: datetime = clock["now"]
+        await cur.execute(q("due_jobs"), {"now": pass_now, "batch": batch})
+        rows = await cur.fetchall()
+        if not rows:
+            return 0
+        plan = _plan_batch(rows, pass_now)
+        created = 0
+        if plan.run_jobs:
+            await cur.execute(q("create_runs"), {
+                "jobs": plan.run_jobs, "times": plan.run_times, "trigger": "schedule",
+                "params": None,
+            })
+            created = len(await cur.fetchall())
+        await cur.execute(q("advance_jobs"), {"names": plan.names, "times": plan.next_times})
+        if created:
+            await cur.execute(q("notify_queue"))
+    result.jobs_due += len(rows)
+    result.jobs_fired += plan.fired
+    result.runs_created += created
+    result.broken += plan.broken
+    return len(rows)

@@ -1,0 +1,82 @@
+"""``pgflow serve``: one process that plays any of the scheduler, worker, reaper
+and web roles, coordinating with other replicas only through PostgreSQL.
+
+Shutdown (SIGTERM or SIGINT): the replica stops scheduling and claiming, lets
+running attempts finish for ``grace`` seconds, then interrupts the rest and puts
+their runs straight back in the queue (outcome ``interrupted``, no attempt used
+up), so a rolling deploy never waits for a lease to expire. A second signal
+skips the grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from pgflow import reaper
+from pgflow.leader import run_scheduler
+from pgflow.log import get_logger
+from pgflow.replica import Replica, run_heartbeat
+from pgflow.worker import Worker
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    url: str
+    roles: tuple[str, ...]
+    concurrency: int
+    grace: float
+    lease_ttl: float
+    bind: str
+
+
+def serve(options: ServeOptions) -> None:
+    asyncio.run(_serve(options))
+
+
+async def _serve(options: ServeOptions) -> None:
+    replica = Replica.new(options.roles, options.concurrency if "worker" in options.roles else 0)
+    log = get_logger(replica=replica.id)
+    shutdown = asyncio.Event()
+    worker: Worker | None = None
+
+    stop = asyncio.Event()  # background roles
+    stopping = asyncio.Event()  # shown in pgflow status while draining
+    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(
+        run_heartbeat(options.url, replica, options.lease_ttl, stop, stopping, log))]
+    if "scheduler" in options.roles:
+        tasks.append(asyncio.create_task(
+            run_scheduler(options.url, replica.id, options.lease_ttl, stop, log)))
+    if "reaper" in options.roles:
+        tasks.append(asyncio.create_task(
+            reaper.run_reaper(options.url, options.lease_ttl, stop, log)))
+    if "worker" in options.roles:
+        worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
+        worker.start()
+    _on_signals(shutdown, worker, log)
+    log.info("replica started", roles=list(options.roles), concurrency=replica.concurrency,
+             pid=replica.pid)
+
+    await shutdown.wait()
+    log.info("shutting down", grace_s=options.grace)
+    stopping.set()
+    if worker is not None:
+        await worker.drain(options.grace)
+    stop.set()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    log.info("replica stopped")
+
+
+def _on_signals(shutdown: asyncio.Event, worker: Worker | None, log: Any) -> None:
+    loop = asyncio.get_running_loop()
+
+    def handle(sig: signal.Signals) -> None:
+        if shutdown.is_set() and worker is not None:
+            log.warning("second signal: interrupting running attempts now", signal=sig.name)
+            worker.hurry()
+        shutdown.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handle, sig)

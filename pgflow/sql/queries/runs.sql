@@ -1,0 +1,133 @@
+-- Operator actions on runs (trigger, list, show, retry, cancel, ack) and the cluster
+-- status. Every state change is one UPDATE guarded by the states it may start from;
+-- the caller checks whether a row came back and re-reads the run to explain a refusal.
+
+-- name: run_db_second
+-- The database clock, to the second: the default logical time of a manual trigger.
+SELECT date_trunc('second', coalesce(%(now)s::timestamptz, now())) AS now
+
+-- name: run_job_names
+-- Only read to suggest a name after a miss.
+SELECT name FROM pgflow.jobs ORDER BY name
+
+-- name: run_by_logical_time
+SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND logical_time = %(logical_time)s
+
+-- name: runs_list_all
+-- Listings take the filter's own index, and page with id < cursor (an index condition).
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE id < coalesce(%(before_id)s::bigint, 9223372036854775807)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: runs_list_by_job
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE job = %(job)s
+  AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
+  AND (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: runs_list_by_state
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE state = %(state)s
+  AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: run_get
+SELECT r.id, r.job, r.logical_time, r.state, r.attempt, r.max_attempts, r.trigger, r.tenant,
+       r.priority, r.params, r.available_at, r.lease_owner, r.lease_expires_at,
+       r.cancel_requested, r.acked_at, r.created_at, r.started_at, r.finished_at,
+       (j.name IS NOT NULL) AS job_exists
+FROM pgflow.runs r
+LEFT JOIN pgflow.jobs j ON j.name = r.job
+WHERE r.id = %(id)s
+
+-- name: run_attempts
+-- Finished attempts come from the table; the one in progress lives on the run row.
+SELECT attempt, worker_id, started_at, finished_at, outcome, exit_code, error,
+       stdout_tail, stderr_tail
+FROM pgflow.attempts
+WHERE run_id = %(id)s
+UNION ALL
+SELECT attempt, lease_owner, attempt_started_at, NULL, NULL, NULL, NULL, NULL, NULL
+FROM pgflow.runs
+WHERE id = %(id)s AND state = 'running'
+ORDER BY attempt
+
+-- name: run_retry
+-- A fresh attempt budget on top of the attempts already used; the job must still exist.
+UPDATE pgflow.runs r
+SET state = 'queued', max_attempts = r.attempt + j.max_attempts, finished_at = NULL,
+    acked_at = NULL, cancel_requested = false, available_at = coalesce(%(now)s, now())
+FROM pgflow.jobs j
+WHERE r.id = %(id)s AND r.state IN ('failed', 'cancelled') AND j.name = r.job
+RETURNING r.id, r.job, r.state, r.attempt, r.max_attempts
+
+-- name: run_cancel
+-- Unstarted runs are cancelled here; a running one is flagged and its worker told, and
+-- the worker (or the reaper, if it is gone) records the final state.
+WITH changed AS (
+    UPDATE pgflow.runs
+    SET state = CASE WHEN state = 'running' THEN state ELSE 'cancelled' END,
+        finished_at = CASE WHEN state = 'running' THEN NULL
+                           ELSE coalesce(%(now)s, now()) END,
+        cancel_requested = true
+    WHERE id = %(id)s AND state IN ('pending', 'queued', 'retrying', 'running')
+    RETURNING id, job, state, lease_owner
+), told AS (
+    SELECT pg_notify('pgflow_cancel', id::text) FROM changed WHERE state = 'running'
+)
+SELECT id, job, state, lease_owner, (SELECT count(*) FROM told) AS notified FROM changed
+
+-- name: run_ack
+UPDATE pgflow.runs
+SET acked_at = coalesce(%(now)s, now())
+WHERE id = %(id)s AND state = 'failed' AND acked_at IS NULL
+RETURNING id, job, state, acked_at
+
+-- name: runs_dead_letters
+-- Failed and not yet acknowledged, newest first, with the last attempt's error.
+SELECT r.id, r.job, r.logical_time, r.attempt, r.trigger, r.tenant, r.finished_at,
+       a.outcome, a.exit_code, a.error
+FROM pgflow.runs r
+LEFT JOIN pgflow.attempts a ON a.run_id = r.id AND a.attempt = r.attempt
+WHERE r.state = 'failed' AND r.acked_at IS NULL
+ORDER BY r.finished_at DESC
+LIMIT %(limit)s
+
+-- name: status_replicas
+-- Ages by the database clock: replicas' own clocks may disagree.
+SELECT id, host, pid, roles, version, concurrency, stopping, started_at, heartbeat_at,
+       round(extract(epoch FROM now() - heartbeat_at)::numeric, 3)::float8 AS heartbeat_age_s,
+       heartbeat_at > now() - make_interval(secs => 3 * %(ttl)s) AS alive
+FROM pgflow.replicas
+ORDER BY id
+
+-- name: status_leader
+SELECT l.replica_id, l.backend_pid, l.term, l.elected_at, l.heartbeat_at, r.host, r.pid,
+       round(extract(epoch FROM now() - l.heartbeat_at)::numeric, 3)::float8 AS heartbeat_age_s,
+       l.heartbeat_at < now() - make_interval(secs => %(ttl)s) AS stale
+FROM pgflow.leader l
+LEFT JOIN pgflow.replicas r ON r.id = l.replica_id
+
+-- name: status_queue_depth
+-- Only the non-terminal states: runs_state_idx skips the finished history.
+SELECT state, tenant, count(*) AS runs
+FROM pgflow.runs
+WHERE state IN ('pending', 'queued', 'running', 'retrying')
+GROUP BY state, tenant
+ORDER BY state, tenant
+
+-- name: status_dead_letters
+SELECT count(*) AS dead_letters FROM pgflow.runs WHERE state = 'failed' AND acked_at IS NULL

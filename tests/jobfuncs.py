@@ -1,0 +1,58 @@
+"""Entrypoint jobs used by the engine tests (imported by workers by name)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pgflow
+
+
+async def noop(ctx: Any) -> None:
+    return None
+
+
+def sync_noop(ctx: Any) -> None:
+    return None
+
+
+async def record(ctx: Any) -> None:
+    """Append 'run_id attempt' to the file named by params['path']."""
+    with open(ctx.params["path"], "a") as out:
+        out.write(f"{ctx.run_id} {ctx.attempt} {ctx.logical_time.isoformat()}\n")
+
+
+async def sleep(ctx: Any) -> None:
+    await asyncio.sleep(float(ctx.params.get("seconds", 60)))
+
+
+def sync_sleep(ctx: Any) -> None:
+    deadline = time.monotonic() + float(ctx.params.get("seconds", 60))
+    while time.monotonic() < deadline and not ctx.cancelled.is_set():
+        time.sleep(0.05)
+
+
+async def fail(ctx: Any) -> None:
+    raise ValueError(f"attempt {ctx.attempt} failed")
+
+
+async def permanent(ctx: Any) -> None:
+    raise pgflow.PermanentError("bad input, do not retry")
+
+
+async def unavailable(ctx: Any) -> None:
+    raise pgflow.SourceUnavailable("warehouse")
+
+
+async def fail_once(ctx: Any) -> None:
+    if ctx.attempt == 1:
+        raise RuntimeError("first attempt fails")
+
+
+async def marker_then_sleep(ctx: Any) -> None:
+    """Write a marker file (so a test knows the attempt started), then sleep."""
+    Path(ctx.params["marker"]).write_text(f"{os.getpid()} {ctx.attempt}")
+    await asyncio.sleep(float(ctx.params.get("seconds", 60)))

@@ -1,0 +1,196 @@
+"""The worker role in-process against a real database: execution, retries, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from engine import WorkerThread, add_job, attempts, enqueue, run_row, wait_for
+
+from pgflow import reaper
+from pgflow.queries import q
+
+Conn = psycopg.Connection[dict[str, Any]]
+
+
+@pytest.fixture
+def worker(db_url: str) -> Iterator[WorkerThread]:
+    handle = WorkerThread(db_url, concurrency=4, lease_ttl=30)
+    yield handle
+    handle.stop(grace=1)
+
+
+def finished(conn: Conn, run_id: int, state: str = "succeeded") -> bool:
+    return bool(run_row(conn, run_id)["state"] == state)
+
+
+def test_async_and_sync_entrypoints_succeed(conn: Conn, worker: WorkerThread) -> None:
+    add_job(conn, "a", entrypoint="jobfuncs:noop")
+    add_job(conn, "s", entrypoint="jobfuncs:sync_noop")
+    runs = [enqueue(conn, "a"), enqueue(conn, "s")]
+    for run_id in runs:
+        wait_for(lambda r=run_id: finished(conn, r))
+        [attempt] = attempts(conn, run_id)
+        assert attempt["outcome"] == "succeeded" and attempt["worker_id"] == "test-worker"
+        row = run_row(conn, run_id)
+        assert row["lease_owner"] is None and row["finished_at"] and row["attempt"] == 1
+
+
+def test_command_gets_the_environment_and_its_output_is_kept(conn: Conn,
+                                                             worker: WorkerThread) -> None:
+    script = ("import os, sys; print(os.environ['PGFLOW_JOB'], os.environ['PGFLOW_ATTEMPT'],"
+              " os.environ['PGFLOW_RUN_ID'], os.environ['PGFLOW_LOGICAL_TIME'],"
+              " os.environ['PGFLOW_PARAMS']); print('warn', file=sys.stderr)")
+    add_job(conn, "cmd", command=[sys.executable, "-c", script], params={"region": "eu"})
+    run_id = enqueue(conn, "cmd", params={"day": 3})
+    wait_for(lambda: finished(conn, run_id))
+    [attempt] = attempts(conn, run_id)
+    job, number, rid, logical, params = attempt["stdout_tail"].split(" ", 4)
+    assert (job, number, rid) == ("cmd", "1", str(run_id))
+    assert logical.endswith("+00:00")
+    assert json.loads(params) == {"region": "eu", "day": 3}
+    assert attempt["stderr_tail"] == "warn\n" and attempt["exit_code"] == 0
+
+
+def test_output_tail_is_bounded(conn: Conn, worker: WorkerThread) -> None:
+    add_job(conn, "loud", command="yes x | head -c 300000; echo END")
+    run_id = enqueue(conn, "loud")
+    wait_for(lambda: finished(conn, run_id))
+    tail = attempts(conn, run_id)[0]["stdout_tail"]
+    assert len(tail.encode()) == 64 * 1024 and tail.endswith("END\n")
+
+
+def test_failures_retry_with_backoff_then_dead_letter(conn: Conn, worker: WorkerThread) -> None:
+    add_job(conn, "flaky", command="exit 3",
+            retry={"max_attempts": 3, "backoff": "0.2s", "max_backoff": "1s", "jitter": False})
+    run_id = enqueue(conn, "flaky")
+    wait_for(lambda: finished(conn, run_id, "failed"))
+    tries = attempts(conn, run_id)
+    assert [(a["attempt"], a["outcome"], a["exit_code"]) for a in tries] == [
+        (1, "failed", 3), (2, "failed", 3), (3, "failed", 3)]
+    gap = (tries[2]["started_at"] - tries[1]["finished_at"]).total_seconds()
+    assert gap >= 0.4 - 0.05  # second retry waits 2 × 0.2 s
+
+
+def test_retry_succeeds_on_second_attempt(conn: Conn, worker: WorkerThread) -> None:
+    add_job(conn, "once", entrypoint="jobfuncs:fail_once",
+            retry={"max_attempts": 3, "backoff": "0s"})
+    run_id = enqueue(conn, "once")
+    wait_for(lambda: finished(conn, run_id))
+    assert [a["outcome"] for a in attempts(conn, run_id)] == ["failed", "succeeded"]
+    assert "RuntimeError: first attempt fails" in attempts(conn, run_id)[0]["error"]
+
+
+@pytest.mark.parametrize(("keys", "error"), [
+    ({"command": "exit 2", "retry": {"max_attempts": 5, "no_retry_exit_codes": [2]}},
+     "exited with code 2"),
+    ({"entrypoint": "jobfuncs:permanent", "retry": {"max_attempts": 5}}, "PermanentError"),
+])
+def test_permanent_failures_skip_retries(conn: Conn, worker: WorkerThread, keys: dict[str, Any],
+                                         error: str) -> None:
+    add_job(conn, "perm", **keys)
+    run_id = enqueue(conn, "perm")
+    wait_for(lambda: finished(conn, run_id, "failed"))
+    [attempt] = attempts(conn, run_id)
+    assert error in attempt["error"]
+
+
+def test_source_unavailable_is_exit_75(conn: Conn, worker: WorkerThread) -> None:
+    add_job(conn, "src", entrypoint="jobfuncs:unavailable")
+    run_id = enqueue(conn, "src")
+    wait_for(lambda: finished(conn, run_id, "failed"))
+    assert attempts(conn, run_id)[0]["exit_code"] == 75
+
+
+@pytest.mark.parametrize("keys", [{"command": "sleep 60"}, {"entrypoint": "jobfuncs:sleep"},
+                                  {"entrypoint": "jobfuncs:sync_sleep"}])
+def test_timeout_ends_the_attempt(conn: Conn, worker: WorkerThread, keys: dict[str, Any]) -> None:
+    add_job(conn, "slow", timeout="0.5s", **keys)
+    run_id = enqueue(conn, "slow")
+    wait_for(lambda: finished(conn, run_id, "failed"))
+    [attempt] = attempts(conn, run_id)
+    assert attempt["outcome"] == "timed_out" and "timed out after 0.5s" in attempt["error"]
+
+
+@pytest.mark.parametrize("keys", [{"command": "sleep 60"}, {"entrypoint": "jobfuncs:sleep"}])
+def test_cancel_stops_a_running_attempt(conn: Conn, worker: WorkerThread,
+                                        keys: dict[str, Any]) -> None:
+    add_job(conn, "long", **keys)
+    run_id = enqueue(conn, "long")
+    wait_for(lambda: run_row(conn, run_id)["state"] == "running")
+    conn.execute("UPDATE pgflow.runs SET cancel_requested = true WHERE id = %s", (run_id,))
+    conn.execute("SELECT pg_notify('pgflow_cancel', %s)", (str(run_id),))
+    wait_for(lambda: finished(conn, run_id, "cancelled"), timeout=10)
+    assert attempts(conn, run_id)[0]["outcome"] == "cancelled"
+
+
+def test_lost_lease_stops_the_attempt_and_discards_its_result(conn: Conn, db_url: str) -> None:
+    handle = WorkerThread(db_url, concurrency=2, lease_ttl=1.5, worker_id="slowpoke")
+    try:
+        add_job(conn, "held", entrypoint="jobfuncs:sleep", params={"seconds": 2},
+                retry={"max_attempts": 2, "backoff": "30s", "jitter": False})
+        run_id = enqueue(conn, "held")
+        wait_for(lambda: run_row(conn, run_id)["state"] == "running")
+        # The lease runs out as if the worker had frozen; the reaper takes the run.
+        conn.execute("UPDATE pgflow.runs SET lease_expires_at = now() - interval '1s'"
+                     " WHERE id = %s", (run_id,))
+        async def reap() -> int:
+            async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+                return (await reaper.run_once(c)).reaped
+
+        assert asyncio.run(reap()) == 1
+        row = run_row(conn, run_id)
+        assert row["state"] == "retrying" and row["lease_owner"] is None
+        [lost] = attempts(conn, run_id)
+        assert lost["outcome"] == "lost" and lost["worker_id"] == "slowpoke"
+        # The worker's next heartbeat finds the run gone, stops the attempt, drops its result.
+        wait_for(lambda: not handle.call(lambda: handle.worker.active), timeout=5)  # type: ignore[union-attr]
+        assert run_row(conn, run_id)["state"] == "retrying"
+        assert len(attempts(conn, run_id)) == 1
+    finally:
+        handle.stop(grace=1)
+
+
+def test_graceful_drain_requeues_without_using_an_attempt(conn: Conn, db_url: str,
+                                                          tmp_path: Path) -> None:
+    handle = WorkerThread(db_url, concurrency=2)
+    add_job(conn, "busy", entrypoint="jobfuncs:marker_then_sleep",
+            params={"marker": str(tmp_path / "m"), "seconds": 60})
+    run_id = enqueue(conn, "busy")
+    wait_for(lambda: (tmp_path / "m").exists())
+    handle.stop(grace=0.2)
+    row = run_row(conn, run_id)
+    assert row["state"] == "queued" and row["max_attempts"] == 2 and row["attempt"] == 1
+    assert attempts(conn, run_id)[0]["outcome"] == "interrupted"
+
+
+def test_claim_respects_priority(conn: Conn, db_url: str, tmp_path: Path) -> None:
+    path = tmp_path / "order"
+    add_job(conn, "low", entrypoint="jobfuncs:record", priority=0, params={"path": str(path)})
+    add_job(conn, "high", entrypoint="jobfuncs:record", priority=10, params={"path": str(path)})
+    low = enqueue(conn, "low")
+    high = enqueue(conn, "high")
+    handle = WorkerThread(db_url, concurrency=1)
+    try:
+        wait_for(lambda: finished(conn, low) and finished(conn, high))
+    finally:
+        handle.stop()
+    assert [int(line.split()[0]) for line in path.read_text().splitlines()] == [high, low]
+
+
+def test_claim_query_is_an_index_scan_with_many_finished_runs(conn: Conn) -> None:
+    conn.execute(
+        "INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,"
+        " finished_at) SELECT 'old', to_timestamp(g), 'succeeded', 1, 'schedule', 'default',"
+        " now() FROM generate_series(1, 200000) g")
+    conn.execute("ANALYZE pgflow.runs")
+    plan = conn.execute("EXPLAIN " + q("claim_runs"),
+                        {"worker": "w", "limit": 10, "ttl": 30}).fetchall()
+    text = "\n".join(row["QUERY PLAN"] for row in plan)
+    assert "runs_claimable_idx" in text and "Seq Scan on runs" not in text
