@@ -71,11 +71,21 @@ async def renew(conn: psycopg.AsyncConnection[Any], worker: str,
 
 async def finish(conn: psycopg.AsyncConnection[Any],
                  finishes: Sequence[Finish]) -> dict[int, str]:
-    """End attempts; returns {run_id: new state} for those that were still ours."""
+    """End attempts and evaluate what depends on them; returns {run_id: new state} for the
+    attempts that were still ours (the others were fenced off and change nothing)."""
     async with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
         await cur.execute(q("finish_attempts"), finish_params(finishes))
-        done = {row["id"]: row["state"] for row in await cur.fetchall()}
-        if any(state in ("queued", "retrying") for state in done.values()):
+        rows = await cur.fetchall()
+        done = {row["id"]: row["state"] for row in rows}
+        wake = any(state in ("queued", "retrying") for state in done.values())
+        candidates = rows[0]["candidates"] if rows else None
+        if candidates:
+            await cur.execute(q("queue_ready_runs"), {"ids": candidates})
+            wake = wake or cur.rowcount > 0
+        ended = [run_id for run_id, state in done.items() if state in ("failed", "cancelled")]
+        if ended:
+            await cur.execute(q("fail_downstreams"), {"ids": ended})
+        if wake:
             await cur.execute(q("notify_queue"))
     return done

@@ -17,9 +17,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from pgflow import retry
+from pgflow import queue, retry
 from pgflow.queries import q
-from pgflow.queue import Finish, finish_params
+from pgflow.queue import Finish
 
 DEAD_REPLICA_AFTER_S = 3600.0
 
@@ -37,11 +37,8 @@ async def run_once(conn: psycopg.AsyncConnection[Any], limit: int = 500) -> Reap
         rows = await (await cur.execute(q("expired_leases"), {"limit": limit})).fetchall()
         if not rows:
             return ReapPass(0, 0, 0)
-        finishes = [_lost(row) for row in rows]
-        done = await (await cur.execute(q("finish_attempts"), finish_params(finishes))).fetchall()
-        states = [row["state"] for row in done]
-        if any(state in ("queued", "retrying") for state in states):
-            await cur.execute(q("notify_queue"))
+        done = await queue.finish(conn, [_lost(row) for row in rows])
+    states = list(done.values())
     return ReapPass(len(done), states.count("retrying"), states.count("failed"))
 
 

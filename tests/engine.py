@@ -110,3 +110,19 @@ class WorkerThread:
         asyncio.run_coroutine_threadsafe(self.worker.drain(grace), self.loop).result(grace + 30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+def start_dag(conn: Conn, jobs: list[str], at: datetime, *, downstream: bool = True,
+              trigger: str = "manual") -> dict[str, int]:
+    """Create the DAG run of ``jobs`` at ``at``; returns {job: run id} of the created runs."""
+    rows = conn.execute(q("create_dag_runs"), {
+        "jobs": jobs, "times": [at] * len(jobs), "trigger": trigger, "params": None,
+        "downstream": downstream, "state": "queued", "priority_offset": 0,
+        "backfill_id": None}).fetchall()
+    conn.execute(q("notify_queue"))
+    return {row["job"]: row["id"] for row in rows}
+
+
+def states(conn: Conn, at: datetime) -> dict[str, str]:
+    rows = conn.execute("SELECT job, state FROM pgflow.runs WHERE logical_time = %s", (at,))
+    return {row["job"]: row["state"] for row in rows}

@@ -36,6 +36,12 @@ RETURNING id, attempt, cancel_requested
 -- name: finish_attempts
 -- End attempts in bulk. A row only changes while the run is still running the same
 -- attempt under the same lease owner; the ids returned are the attempts that counted.
+-- For runs that succeeded, the pending runs of their direct downstreams at the same
+-- logical time are locked (in id order, so finishers never deadlock on them) and
+-- returned as candidates for queue_ready_runs, which must run as the NEXT statement
+-- of the same transaction: its fresh snapshot sees an upstream that another
+-- transaction finished while we waited for the lock, so two upstreams finishing at
+-- once queue their downstream exactly once.
 WITH result AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[], %(owners)s::text[],
                          %(states)s::text[], %(delays)s::float8[], %(outcomes)s::text[],
@@ -56,15 +62,72 @@ WITH result AS (
     FROM result res
     WHERE r.id = res.id AND r.attempt = res.attempt AND r.lease_owner = res.owner
       AND r.state = 'running'
-    RETURNING r.id, r.state
+    RETURNING r.id, r.state, r.job, r.logical_time
 ), recorded AS (
     INSERT INTO pgflow.attempts (run_id, attempt, worker_id, started_at, finished_at, outcome,
                                  exit_code, error, stdout_tail, stderr_tail)
     SELECT res.id, res.attempt, res.owner, res.started_at, now(), res.outcome, res.exit_code,
            res.error, res.stdout_tail, res.stderr_tail
     FROM finished f JOIN result res ON res.id = f.id
+), candidates AS (
+    SELECT p.id
+    FROM finished f
+    JOIN pgflow.job_deps d ON d.upstream = f.job
+    JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = f.logical_time
+    WHERE f.state = 'succeeded' AND p.state = 'pending'
+    ORDER BY p.id
+    FOR UPDATE OF p
 )
-SELECT id, state FROM finished
+SELECT id, state, (SELECT array_agg(id) FROM candidates) AS candidates FROM finished
+
+-- name: queue_ready_runs
+-- Pending runs whose upstreams have all succeeded at their logical time become queued.
+-- An upstream job with no run at that time is not part of this DAG run (a sub-DAG
+-- trigger, a paused root) and does not hold it back.
+UPDATE pgflow.runs p
+SET state = 'queued', available_at = now()
+WHERE p.id = ANY(%(ids)s::bigint[]) AND p.state = 'pending'
+  AND NOT EXISTS (
+      SELECT 1 FROM pgflow.job_deps d
+      JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = p.logical_time
+      WHERE d.job = p.job AND u.state <> 'succeeded')
+RETURNING id
+
+-- name: fail_downstreams
+-- The runs %(ids)s failed or were cancelled: every pending run downstream of them
+-- (transitively, same logical time) can no longer run and becomes upstream_failed.
+WITH RECURSIVE doomed(job, logical_time) AS (
+    SELECT r.job, r.logical_time FROM pgflow.runs r
+    WHERE r.id = ANY(%(ids)s::bigint[]) AND r.state IN ('failed', 'cancelled', 'upstream_failed')
+    UNION
+    SELECT d.job, x.logical_time FROM doomed x JOIN pgflow.job_deps d ON d.upstream = x.job
+)
+UPDATE pgflow.runs p
+SET state = 'upstream_failed', finished_at = now()
+FROM doomed x
+WHERE p.job = x.job AND p.logical_time = x.logical_time AND p.state = 'pending'
+RETURNING p.id
+
+-- name: restore_downstreams
+-- Run %(id)s was retried: the upstream_failed runs downstream of it go back to pending.
+-- (The caller then re-applies fail_downstreams for other upstreams that are still failed.)
+WITH RECURSIVE affected(job, logical_time) AS (
+    SELECT job, logical_time FROM pgflow.runs WHERE id = %(id)s
+    UNION
+    SELECT d.job, a.logical_time FROM affected a JOIN pgflow.job_deps d ON d.upstream = a.job
+), restored AS (
+    UPDATE pgflow.runs p
+    SET state = 'pending', finished_at = NULL
+    FROM affected a
+    WHERE p.job = a.job AND p.logical_time = a.logical_time AND p.state = 'upstream_failed'
+    RETURNING p.id, p.job, p.logical_time
+)
+SELECT coalesce(array_agg(DISTINCT u.id), '{}') AS still_failed,
+       (SELECT count(*) FROM restored) AS restored
+FROM restored x
+JOIN pgflow.job_deps d ON d.job = x.job
+JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = x.logical_time
+WHERE u.state IN ('failed', 'cancelled') AND u.id <> %(id)s
 
 -- name: expired_leases
 -- Runs whose owner stopped renewing. Locked until the reaper's transaction ends, so a
@@ -81,10 +144,62 @@ FOR UPDATE OF r SKIP LOCKED
 -- name: notify_queue
 SELECT pg_notify('pgflow_queue', '')
 
--- name: create_runs
+-- name: create_dag_runs
 -- New runs, one per (job, logical_time); a pair that already has a run is skipped
--- (this is what makes a tick exactly-once). The caller sends notify_queue in the same
--- transaction when anything was created.
+-- (this is what makes a tick exactly-once). With %(downstream)s, each requested job
+-- starts a DAG run for its logical time: a requested root brings the other unpaused
+-- roots of its DAG (queued, same trigger), and every job downstream of the started
+-- jobs gets a 'pending' run that the dependency engine queues when its upstreams
+-- succeed. The caller sends notify_queue in the same transaction when a queued run
+-- was created.
+WITH RECURSIVE input AS (
+    SELECT DISTINCT * FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[])
+        AS i(job, logical_time)
+), component(job, logical_time) AS (
+    SELECT i.job, i.logical_time FROM input i
+    WHERE %(downstream)s AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.job = i.job)
+    UNION
+    SELECT CASE WHEN d.upstream = c.job THEN d.job ELSE d.upstream END, c.logical_time
+    FROM component c
+    JOIN pgflow.job_deps d ON d.upstream = c.job OR d.job = c.job
+), started AS (
+    SELECT job, logical_time, true AS requested FROM input
+    UNION
+    SELECT c.job, c.logical_time, false FROM component c
+    JOIN pgflow.jobs j ON j.name = c.job
+    WHERE NOT j.paused AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.job = c.job)
+), closure(job, logical_time) AS (
+    SELECT d.job, s.logical_time FROM started s
+    JOIN pgflow.job_deps d ON d.upstream = s.job
+    WHERE %(downstream)s
+    UNION
+    SELECT d.job, c.logical_time FROM closure c JOIN pgflow.job_deps d ON d.upstream = c.job
+), wanted AS (
+    SELECT DISTINCT ON (job, logical_time) job, logical_time, requested, pending
+    FROM (
+        SELECT job, logical_time, requested, false AS pending FROM started
+        UNION ALL
+        SELECT job, logical_time, false, true FROM closure
+    ) w
+    ORDER BY job, logical_time, requested DESC, pending
+)
+INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant, priority,
+                         params, backfill_id)
+SELECT w.job, w.logical_time,
+       CASE WHEN w.pending THEN 'pending' ELSE %(state)s END,
+       j.max_attempts,
+       CASE WHEN w.pending THEN 'dependency' ELSE %(trigger)s END,
+       j.tenant, j.priority + %(priority_offset)s,
+       CASE WHEN w.requested THEN j.params || coalesce(%(params)s::jsonb, '{}') ELSE j.params END,
+       %(backfill_id)s
+FROM wanted w
+JOIN pgflow.jobs j ON j.name = w.job
+ORDER BY w.logical_time, w.job
+ON CONFLICT (job, logical_time) DO NOTHING
+RETURNING id, job, logical_time, state, trigger
+
+-- name: create_runs
+-- Transitional: single runs only (callers move to create_dag_runs).
 INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant, priority,
                          params)
 SELECT i.job, i.logical_time, 'queued', j.max_attempts, %(trigger)s, j.tenant, j.priority,
@@ -93,3 +208,16 @@ FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
 JOIN pgflow.jobs j ON j.name = i.job
 ON CONFLICT (job, logical_time) DO NOTHING
 RETURNING id, job, logical_time
+
+-- name: failed_upstreams
+-- The failed or cancelled runs upstream of %(id)s (transitively, same logical time).
+WITH RECURSIVE ups(job, logical_time) AS (
+    SELECT job, logical_time FROM pgflow.runs WHERE id = %(id)s
+    UNION
+    SELECT d.upstream, u.logical_time FROM ups u JOIN pgflow.job_deps d ON d.job = u.job
+)
+SELECT r.id, r.job, r.state
+FROM ups u
+JOIN pgflow.runs r ON r.job = u.job AND r.logical_time = u.logical_time
+WHERE r.state IN ('failed', 'cancelled') AND r.id <> %(id)s
+ORDER BY r.id
