@@ -10,16 +10,21 @@ file and usually the socket dir. The decisions that are not obvious:
   anyway, because root passes the socket dir's 0700 mode.
 * **Unreachable roots.** That user must be able to search every parent of the root. The
   default home lives under ``/root`` (0700), which we do not loosen: instead the real folder
-  goes to ``/var/lib/pgflow/clusters/<hash>`` and the root becomes a symlink to it.
+  goes to ``/var/lib/pgflow/clusters/<hash of the resolved root path>`` and the root
+  becomes a symlink to it.
 * **Sockets, no TCP.** The server listens only on a unix socket inside a 0700 directory
   owned by the server user; that is what makes trust authentication acceptable. A socket
-  path must fit in 107 bytes, so when ``<root>/sock`` is too deep the socket dir is
-  ``/tmp/pgflow-<hash>`` instead, recorded in ``<root>/socket_dir``. The port is always
-  5432 (and in the URL, against a stray PGPORT): every cluster has a private socket dir,
-  so any number can run at once.
+  path must fit in 107 bytes, so when ``<root>/sock`` is too deep (or holds a comma, which
+  a libpq host cannot) the socket dir is ``/tmp/pgflow-<hash>`` instead, recorded in
+  ``<root>/socket_dir``. The port is always 5432, also in the URL (a stray PGPORT must not
+  win): every cluster has a private socket dir, so any number can run at once.
 * **Lifetime.** ``pg_ctl`` starts the server detached in its own session, so it outlives
   the command that started it and later commands for the same root reuse it.
   :meth:`Cluster.ensure_running` is serialised across processes by an flock.
+* **Crashes.** After a SIGKILL the postmaster may stay a zombie (PID 1 need not reap it
+  promptly) and PostgreSQL then refuses to start over its lock files. Those are removed
+  only once no process works in ``data/`` any more, which keeps PostgreSQL's own guard
+  against orphaned backends.
 """
 
 from __future__ import annotations
@@ -487,10 +492,10 @@ def _check_settings(settings: Mapping[str, str]) -> None:
     for name, value in settings.items():
         if not _SETTING_NAME.match(name):
             raise PgflowError(f"invalid PostgreSQL setting name {name!r}")
-        if name in RESERVED_SETTINGS:
+        if name.lower() in RESERVED_SETTINGS:
             raise PgflowError(f"PostgreSQL setting {name!r} is managed by pgflow")
         # Tests kill clusters and rely on committed rows surviving.
-        if name == "synchronous_commit" and str(value).lower() in _OFF:
+        if name.lower() == "synchronous_commit" and str(value).lower() in _OFF:
             raise PgflowError("synchronous_commit=off would lose committed runs on a crash")
 
 
@@ -602,7 +607,7 @@ class Cluster:
             pid = self._running_pid(site)
             if pid is None:
                 return False
-            args = ["stop", "-D", str(site.data), "-m", mode, "-w", "-t", str(PG_CTL_WAIT_SECONDS)]
+            args = ["stop", "-D", site.data.name, "-m", mode, "-w", "-t", str(PG_CTL_WAIT_SECONDS)]
             result = self._pg_ctl(args, site, _service_user(create=True))
             if self._running_pid(site) is not None:
                 raise DatabaseUnavailable(
@@ -711,7 +716,7 @@ class Cluster:
         args = [
             str(self.bindir / "initdb"),
             "-D",
-            str(scratch),
+            scratch.name,
             "--auth=trust",
             "-U",
             self.user,
@@ -751,9 +756,9 @@ class Cluster:
         args = [
             "start",
             "-D",
-            str(site.data),
+            site.data.name,
             "-l",
-            str(site.log),
+            site.log.name,
             "-o",
             self._server_options(site),
             "-w",
@@ -864,6 +869,8 @@ class Cluster:
     def _pg_ctl(
         self, args: list[str], site: _Site, user: _OsUser | None
     ) -> subprocess.CompletedProcess[str]:
+        # Paths are given relative to the root (the cwd): pg_ctl pastes them into a /bin/sh
+        # command line inside double quotes, which a '"' or '$' in the path would break.
         return self._run([str(self.bindir / "pg_ctl"), *args], site, user, timeout=120)
 
     def _run(
@@ -878,7 +885,7 @@ class Cluster:
                 check=False,
                 stdin=subprocess.DEVNULL,
                 env=_child_env(),
-                cwd=site.root,  # the service user may not be able to enter our cwd
+                cwd=site.root,  # also: the service user may not be able to enter our cwd
                 timeout=timeout,
                 user=user.uid if user else None,
                 group=user.gid if user else None,
@@ -916,7 +923,8 @@ def _socket_dir_for(real_root: Path) -> Path:
         if recorded:
             return Path(recorded)
     local = real_root / "sock"
-    if len(os.fsencode(local / SOCKET_FILE)) <= MAX_SOCKET_PATH:
+    # libpq splits host on commas, with no way to escape one.
+    if len(os.fsencode(local / SOCKET_FILE)) <= MAX_SOCKET_PATH and "," not in str(local):
         return local
     return SHORT_SOCKET_BASE / f"pgflow-{_digest(str(real_root), 12)}"
 

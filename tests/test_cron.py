@@ -177,9 +177,19 @@ def test_last_at_or_before_around_transitions() -> None:
     assert fixed.last_at_or_before(utc(2025, 3, 30, 0, 59)) == utc(2025, 3, 29, 1, 30)
 
 
-def test_next_after_rejects_naive_datetimes() -> None:
+def test_naive_datetimes_are_rejected() -> None:
+    schedule = parse_cron("* * * * *")
     with pytest.raises(ValueError, match="timezone-aware"):
-        parse_cron("* * * * *").next_after(datetime(2025, 1, 1))
+        schedule.next_after(datetime(2025, 1, 1))
+    with pytest.raises(ValueError, match="timezone-aware"):
+        list(schedule.ticks_between(datetime(2025, 1, 1), utc(2025, 1, 2)))
+    with pytest.raises(ValueError, match="timezone-aware"):
+        schedule.last_at_or_before(datetime(2025, 1, 1))
+
+
+def test_running_off_the_calendar_is_a_cron_error() -> None:
+    with pytest.raises(CronError, match="no fire time"):
+        parse_cron("0 0 1 1 *", "Europe/Berlin").next_after(utc(9999, 6, 1))
 
 
 # --- time zones and daylight saving ---------------------------------------------
@@ -355,7 +365,9 @@ def test_matches_a_brute_force_search_around_every_2025_transition(zone: str) ->
         ("0 0 * * 1#2", "not a number"),
         ("H * * * *", "not a number"),
         ("* * * * funday", "not a number or a day-of-week name"),
-        ("0 0 30 2 *", "never occurs"),
+        ("0 0 30 2 *", "day 30 never occurs in month 2"),
+        ("0 0 31 2,4 */2", "never occurs"),
+        ("0 0 * * sat-sun", "Sunday is 0 or 7"),
         ("@reboot", "not supported"),
         ("@every 5m", "not supported"),
         ("'; DROP TABLE jobs; --", "minute field"),

@@ -88,19 +88,35 @@ def _scalar(url: str, query: str) -> object:
 
 
 def _postmasters(data_dir: Path) -> list[int]:
-    """Live processes started as `postgres -D <data_dir>`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if os.fsencode(data_dir) in argv and state != "Z":
-            found.append(int(entry))
-    return found
+    """Live postmasters working in `data_dir` (their children work there too)."""
+    in_dir = {pid for pid in _proc_pids() if _cwd(pid) == str(data_dir) and not _zombie(pid)}
+    return sorted(pid for pid in in_dir if _ppid(pid) not in in_dir)
+
+
+def _proc_pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _cwd(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return ["X", "0"]
+
+
+def _zombie(pid: int) -> bool:
+    return _stat_fields(pid)[0] in ("Z", "X")
+
+
+def _ppid(pid: int) -> int:
+    return int(_stat_fields(pid)[1])
 
 
 def _ids(pid: int) -> tuple[int, int]:
@@ -224,7 +240,8 @@ def test_concurrent_ensure_running_starts_one_server(
         child.join(30)
 
     assert outcomes[0] == outcomes[1], outcomes
-    url, pid = outcomes[0]  # type: ignore[misc]
+    assert isinstance(outcomes[0], tuple), outcomes  # not an error message
+    url, pid = outcomes[0]
     assert _postmasters(cluster.data_dir) == [pid]
     assert _scalar(url, "SELECT 1") == 1
 
@@ -233,7 +250,8 @@ def test_concurrent_ensure_running_starts_one_server(
 def test_home_under_a_private_root_folder_uses_a_symlink() -> None:
     parent = _mkdtemp(mode=0o700)  # like /root: the service user cannot pass
     home = parent / "home"
-    cluster = embedded_cluster(home)
+    assert embedded_cluster(home).root == home / "pg"
+    cluster = Cluster(home / "pg", settings=FAST)  # what embedded_cluster makes, but fast
     try:
         url = cluster.ensure_running()
 

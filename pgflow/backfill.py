@@ -1,0 +1,118 @@
+"""Backfills: re-process history without hurting the production schedule.
+
+A backfill creates one run per cron tick of a job in ``[start, end)`` (ticks that
+already have a run are skipped and counted), all ``pending`` with
+``trigger = 'backfill'`` and a priority far below scheduled work. The leader
+releases them into the queue ``max_concurrency`` at a time, so a 10,000-tick
+backfill never holds more than that many worker slots, and production runs,
+which sort first in the claim, start on time even while it drains.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from pgflow.cron import parse_cron
+from pgflow.errors import Conflict, NotFound, PgflowError
+from pgflow.queries import q
+
+# Below any job priority (those are within ±1,000,000).
+BACKFILL_PRIORITY_OFFSET = -2_000_001
+CHUNK = 1000
+MAX_TICKS = 1_000_000
+
+
+def plan_ticks(schedule: str, timezone: str, start: datetime, end: datetime) -> list[datetime]:
+    if start >= end:
+        raise PgflowError("--start must be before --end")
+    ticks = []
+    for tick in parse_cron(schedule, timezone).ticks_between(start, end):
+        ticks.append(tick)
+        if len(ticks) > MAX_TICKS:
+            raise PgflowError(f"more than {MAX_TICKS:,} ticks in that range: split it up")
+    return ticks
+
+
+def create(
+    conn: psycopg.Connection[Any], job: str, start: datetime, end: datetime, *,
+    max_concurrency: int = 2, downstream: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Create a backfill and all its runs in one transaction; ``progress(n)`` is called
+    after each chunk of ``n`` ticks."""
+    row = conn.execute("SELECT name, schedule, timezone FROM pgflow.jobs WHERE name = %s",
+                       (job,)).fetchone()
+    if row is None:
+        raise NotFound(f"no job named {job!r} (see 'pgflow jobs list')")
+    if row["schedule"] is None:
+        raise PgflowError(f"job {job!r} has no schedule: backfill the root job it depends on"
+                          " (with --downstream)")
+    ticks = plan_ticks(row["schedule"], row["timezone"], start, end)
+    created = 0
+    with conn.transaction():
+        backfill_id = conn.execute(q("insert_backfill"), {
+            "job": job, "start": start, "end": end, "max_concurrency": max_concurrency,
+            "downstream": downstream}).fetchone()["id"]  # type: ignore[index]
+        for offset in range(0, len(ticks), CHUNK):
+            chunk = ticks[offset : offset + CHUNK]
+            rows = conn.execute(q("create_dag_runs"), {
+                "jobs": [job] * len(chunk), "times": chunk, "trigger": "backfill",
+                "params": json.dumps({}), "downstream": downstream, "state": "pending",
+                "priority_offset": BACKFILL_PRIORITY_OFFSET, "backfill_id": backfill_id,
+            }).fetchall()
+            created += sum(1 for r in rows if r["job"] == job)
+            if progress:
+                progress(len(chunk))
+        conn.execute(q("count_backfill_ticks"), {"id": backfill_id, "ticks": len(ticks),
+                                                 "skipped": len(ticks) - created})
+        conn.execute("SELECT pg_notify('pgflow_jobs', '')")
+    return {"id": backfill_id, "job": job, "ticks": len(ticks), "created": created,
+            "skipped": len(ticks) - created}
+
+
+def list_backfills(conn: psycopg.Connection[Any], limit: int = 100) -> list[dict[str, Any]]:
+    return conn.execute(q("list_backfills"), {"id": None, "limit": limit}).fetchall()
+
+
+def show(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
+    row = conn.execute(q("list_backfills"), {"id": backfill_id, "limit": 1}).fetchone()
+    if row is None:
+        raise NotFound(f"no backfill {backfill_id} (see 'pgflow backfill list')")
+    return row
+
+
+def cancel(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
+    from pgflow import deps
+
+    with conn.transaction():
+        row = conn.execute(q("cancel_backfill"), {"id": backfill_id}).fetchone()
+        assert row is not None
+        if not row["stopped"]:
+            state = show(conn, backfill_id)["state"]
+            raise Conflict(f"backfill {backfill_id} is already {state}")
+        if row["cancelled"]:
+            deps.fail_downstreams(conn, row["cancelled"])
+        for run_id in row["stopping"]:
+            conn.execute("SELECT pg_notify('pgflow_cancel', %s)", (str(run_id),))
+    return {"id": backfill_id, "cancelled": len(row["cancelled"]),
+            "stopping": len(row["stopping"])}
+
+
+async def release(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Leader duty: top running backfills up to their caps; close finished ones."""
+    async with conn.transaction():
+        cur = await conn.execute(q("release_backfill_runs"))
+        released = cur.rowcount
+        if released:
+            await conn.execute(q("notify_queue"))
+        await conn.execute(q("complete_backfills"))
+    return released
+
+
+def utc(moment: datetime) -> datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

@@ -1,0 +1,70 @@
+-- name: insert_backfill
+INSERT INTO pgflow.backfills (job, range_start, range_end, max_concurrency, downstream)
+VALUES (%(job)s, %(start)s, %(end)s, %(max_concurrency)s, %(downstream)s)
+RETURNING id
+
+-- name: count_backfill_ticks
+UPDATE pgflow.backfills SET ticks = %(ticks)s, skipped = %(skipped)s WHERE id = %(id)s
+
+-- name: release_backfill_runs
+-- The leader tops every running backfill up to its cap: its pending runs of the backfilled
+-- job become queued, oldest logical time first, while fewer than max_concurrency of them
+-- are queued, running or retrying. Only the leader runs this, so the cap holds.
+WITH room AS (
+    SELECT b.id, b.job,
+           b.max_concurrency - count(r.id) AS free
+    FROM pgflow.backfills b
+    LEFT JOIN pgflow.runs r ON r.backfill_id = b.id AND r.job = b.job
+                           AND r.state IN ('queued', 'running', 'retrying')
+    WHERE b.state = 'running'
+    GROUP BY b.id
+), picked AS (
+    SELECT p.id
+    FROM room
+    CROSS JOIN LATERAL (
+        SELECT r.id FROM pgflow.runs r
+        WHERE r.backfill_id = room.id AND r.job = room.job AND r.state = 'pending'
+        ORDER BY r.logical_time
+        LIMIT greatest(room.free, 0)
+        FOR UPDATE SKIP LOCKED
+    ) p
+)
+UPDATE pgflow.runs r SET state = 'queued', available_at = now()
+FROM picked WHERE r.id = picked.id
+RETURNING r.id
+
+-- name: complete_backfills
+UPDATE pgflow.backfills b SET state = 'completed', finished_at = now()
+WHERE b.state = 'running'
+  AND NOT EXISTS (SELECT 1 FROM pgflow.runs r WHERE r.backfill_id = b.id
+                  AND r.state IN ('pending', 'queued', 'running', 'retrying'))
+RETURNING id
+
+-- name: list_backfills
+SELECT b.*, coalesce(c.counts, '{}') AS counts
+FROM pgflow.backfills b
+LEFT JOIN LATERAL (
+    SELECT jsonb_object_agg(state, n) AS counts
+    FROM (SELECT state, count(*) AS n FROM pgflow.runs WHERE backfill_id = b.id GROUP BY state) s
+) c ON true
+WHERE (%(id)s::bigint IS NULL OR b.id = %(id)s)
+ORDER BY b.id DESC
+LIMIT %(limit)s
+
+-- name: cancel_backfill
+WITH stopped AS (
+    UPDATE pgflow.backfills SET state = 'cancelled', finished_at = now()
+    WHERE id = %(id)s AND state = 'running'
+    RETURNING id
+), unstarted AS (
+    UPDATE pgflow.runs r SET state = 'cancelled', finished_at = now()
+    FROM stopped WHERE r.backfill_id = stopped.id AND r.state IN ('pending', 'queued', 'retrying')
+    RETURNING r.id
+), started AS (
+    UPDATE pgflow.runs r SET cancel_requested = true
+    FROM stopped WHERE r.backfill_id = stopped.id AND r.state = 'running'
+    RETURNING r.id
+)
+SELECT (SELECT count(*) FROM stopped) AS stopped,
+       ARRAY(SELECT id FROM unstarted) AS cancelled,
+       ARRAY(SELECT id FROM started) AS stopping
