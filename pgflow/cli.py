@@ -332,13 +332,21 @@ def runs_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
     attempts = run.pop("attempts")
     params = run.pop("params")
     for key, value in run.items():
-        click.echo(f"{key + ':':<18} {'-' if value is None else value}")
+        click.echo(f"{key + ':':<18} {_human(value)}")
     click.echo(f"{'params:':<18} {json.dumps(params)}")
     click.echo("attempts:")
     for attempt in attempts:
         attempt["error"] = (attempt["error"] or "").strip().split("\n")[0] or None
     emit_table(attempts, ["attempt", "worker_id", "started_at", "finished_at", "outcome",
                           "exit_code", "error"])
+
+
+def _human(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S%z")
+    return str(value)
 
 
 @runs_group.command("retry")
@@ -387,8 +395,9 @@ def status_command(ctx: Ctx, as_json: bool) -> None:
     alive = sum(r["alive"] for r in report["replicas"])
     click.echo(f"replicas: {alive} alive, {len(report['replicas']) - alive} not responding")
     if report["replicas"]:
-        emit_table(report["replicas"], ["id", "host", "pid", "roles", "version", "concurrency",
-                                        "heartbeat_age_s", "alive"])
+        rows = [{**r, "heartbeat_age_s": f"{r['heartbeat_age_s']:.1f}"} for r in report["replicas"]]
+        emit_table(rows, ["id", "host", "pid", "roles", "version", "concurrency",
+                          "heartbeat_age_s", "alive", "stopping"])
     queue = report["queue"]
     totals = ", ".join(f"{state} {n}" for state, n in queue["by_state"].items())
     click.echo(f"queue: {totals}; dead letters {queue['dead_letters']}")

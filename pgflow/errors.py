@@ -26,3 +26,7 @@ class NotFound(PgflowError):
 
 class Conflict(PgflowError):
     """The request is valid but clashes with the current state."""
+
+
+class InvalidInput(PgflowError):
+    """An argument is not acceptable (unknown state, bad limit, bad time range)."""

@@ -18,6 +18,8 @@ def lineage(conn: psycopg.Connection[Any], job: str) -> dict[str, Any]:
     return {"job": job, "nodes": nodes, "edges": edges}
 
 
-def dag_run(conn: psycopg.Connection[Any], job: str, logical_time: datetime) -> list[dict[str, Any]]:
+def dag_run(
+    conn: psycopg.Connection[Any], job: str, logical_time: datetime
+) -> list[dict[str, Any]]:
     """Every run of ``logical_time`` in the DAG that ``job`` belongs to."""
     return conn.execute(q("dag_run"), {"job": job, "logical_time": logical_time}).fetchall()

@@ -16,7 +16,8 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from pgflow.errors import Conflict, NotFound, PgflowError
+from pgflow import deps
+from pgflow.errors import Conflict, InvalidInput, NotFound, PgflowError
 from pgflow.queries import q
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -26,10 +27,6 @@ RUN_STATES = ("pending", "queued", "running", "retrying", "succeeded", "failed",
               "upstream_failed")
 ACTIVE_STATES = ("pending", "queued", "running", "retrying")
 _MAX_ID = 2**63 - 1
-
-
-class InvalidInput(PgflowError):
-    """An argument is not acceptable (unknown state, bad limit)."""
 
 
 # ---------------------------------------------------------------- trigger
@@ -47,19 +44,21 @@ def trigger(
 
     ``logical_time`` defaults to the database's now() truncated to the second;
     ``params`` are merged over the job's own. One run per (job, logical time):
-    a second trigger for the same pair is refused. ``downstream=False`` asks
-    that no dependency runs follow this one; runs of downstream jobs are not
-    created from manual triggers yet, so it is honoured trivially.
+    a second trigger for the same pair is refused. With ``downstream`` (the
+    default) the run starts a DAG run: a root brings the other roots of its DAG,
+    and every job downstream gets a pending run; a non-root job runs without
+    waiting for its upstreams. ``downstream=False`` runs only this job.
     """
-    del downstream
     if logical_time is not None and logical_time.tzinfo is None:
         logical_time = logical_time.replace(tzinfo=UTC)
     with conn.transaction():
         when = logical_time if logical_time is not None else _db_second(conn)
-        created = conn.execute(q("create_runs"), {
+        rows = conn.execute(q("create_dag_runs"), {
             "jobs": [job], "times": [when], "trigger": "manual",
-            "params": None if params is None else Jsonb(params),
-        }).fetchone()
+            "params": None if params is None else Jsonb(params), "downstream": downstream,
+            "state": "queued", "priority_offset": 0, "backfill_id": None,
+        }).fetchall()
+        created = next((row for row in rows if row["job"] == job), None)
         if created is None:
             raise _trigger_refusal(conn, job, when)
         conn.execute(q("notify_queue"))
@@ -166,22 +165,26 @@ def retry(conn: Conn, run_id: int) -> Row:
     with conn.transaction():
         changed = conn.execute(q("run_retry"), {"id": run_id, "now": None}).fetchone()
         if changed is not None:
+            deps.restore_after_retry(conn, run_id)
             conn.execute(q("notify_queue"))
     if changed is None:
-        raise _retry_refusal(_get(conn, run_id))
+        raise _retry_refusal(conn, _get(conn, run_id))
     return changed
 
 
-def _retry_refusal(run: Row) -> PgflowError:
+def _retry_refusal(conn: Conn, run: Row) -> PgflowError:
     rid, state = run["id"], run["state"]
+    if state == "upstream_failed":
+        blockers = deps.failed_upstreams(conn, rid)
+        named = ", ".join(f"run {b['id']} ({b['job']}, {b['state']})" for b in blockers)
+        return Conflict(f"run {rid} is upstream_failed because of {named or 'its upstreams'}:"
+                        f" retry {'that run' if len(blockers) == 1 else 'those runs'} instead")
     if state in ("failed", "cancelled"):
         return Conflict(f"run {rid}'s job {run['job']!r} no longer exists; register it again"
                         f" (pgflow apply) before retrying run {rid}")
     reasons = {
         "running": f"run {rid} is running; cancel it first",
         "succeeded": f"run {rid} succeeded; use 'pgflow trigger' for a new run",
-        "upstream_failed": (f"run {rid} is upstream_failed: retry the failed upstream run instead"
-                            " (retrying an upstream_failed run directly is not supported yet)"),
     }
     return Conflict(reasons.get(state, f"run {rid} is already {state}; nothing to retry"))
 
@@ -195,7 +198,10 @@ def cancel(conn: Conn, run_id: int) -> Row:
     ``cancelled`` or ``cancel requested``.
     """
     _check_id(run_id)
-    changed = conn.execute(q("run_cancel"), {"id": run_id, "now": None}).fetchone()
+    with conn.transaction():
+        changed = conn.execute(q("run_cancel"), {"id": run_id, "now": None}).fetchone()
+        if changed is not None and changed["state"] == "cancelled":
+            deps.fail_downstreams(conn, [run_id])
     if changed is None:
         raise _cancel_refusal(_get(conn, run_id))
     requested = changed["state"] == "running"

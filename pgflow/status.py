@@ -25,7 +25,7 @@ def cluster_status(conn: Conn, ttl: float) -> dict[str, Any]:
     ``leader`` is None when no replica has ever led; it is ``stale`` when its
     heartbeat is older than ``ttl`` (a standby will depose it).
     """
-    args = {"ttl": ttl}
+    args = {"ttl": ttl, "alive_ttls": ALIVE_TTLS}
     replicas = conn.execute(q("status_replicas"), args).fetchall()
     leader = conn.execute(q("status_leader"), args).fetchone()
     depth = conn.execute(q("status_queue_depth")).fetchall()

@@ -12,6 +12,7 @@ from psycopg.rows import dict_row
 from pgflow import registry, runs
 from pgflow.cli import run
 from pgflow.errors import Conflict, NotFound, PgflowError
+from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
 HOSTILE = "'; DROP TABLE pgflow.runs; --"
@@ -250,8 +251,8 @@ def test_retry_cancelled_run(etl: Conn) -> None:
     ("queued", "run {id} is already queued; nothing to retry"),
     ("retrying", "run {id} is already retrying; nothing to retry"),
     ("pending", "run {id} is already pending; nothing to retry"),
-    ("upstream_failed", "run {id} is upstream_failed: retry the failed upstream run instead"
-                        " (retrying an upstream_failed run directly is not supported yet)"),
+    ("upstream_failed", "run {id} is upstream_failed because of its upstreams: retry those"
+                        " runs instead"),
 ])
 def test_retry_refusals_name_the_state(etl: Conn, state: str, message: str) -> None:
     run_id = runs.trigger(etl, "etl", T0)
@@ -496,3 +497,30 @@ def test_cli_bad_run_ids(cli: CLI) -> None:
         assert_one_line_error(cli("runs", action, "abc"), "'abc' is not a valid integer", code=2)
         assert_one_line_error(cli("runs", action, "999999"), "no run 999999")
     assert_one_line_error(cli("runs", "show", "99999999999999999999999"), "no run")
+
+
+def test_retry_of_upstream_failed_names_the_failed_upstream(etl: Conn) -> None:
+    registry.apply(etl, [JobSpec.model_validate({"name": "after", "command": "true",
+                                                 "depends_on": ["etl"]})])
+    run_id = runs.trigger(etl, "etl", T0)
+    etl.execute("UPDATE pgflow.runs SET state = 'failed', finished_at = now() WHERE id = %s",
+                (run_id,))
+    etl.execute("UPDATE pgflow.runs SET state = 'upstream_failed', finished_at = now()"
+                " WHERE job = 'after'")
+    after = etl.execute("SELECT id FROM pgflow.runs WHERE job = 'after'").fetchone()
+    assert after is not None
+    with pytest.raises(Conflict) as refused:
+        runs.retry(etl, after["id"])
+    assert str(refused.value) == (f"run {after['id']} is upstream_failed because of run {run_id}"
+                                  " (etl, failed): retry that run instead")
+    runs.retry(etl, run_id)
+    assert get(etl, after["id"])["state"] == "pending"
+
+
+def test_trigger_without_downstream_creates_only_the_job(etl: Conn) -> None:
+    registry.apply(etl, [JobSpec.model_validate({"name": "after", "command": "true",
+                                                 "depends_on": ["etl"]})])
+    runs.trigger(etl, "etl", T0, downstream=False)
+    assert etl.execute("SELECT count(*) AS n FROM pgflow.runs").fetchone() == {"n": 1}
+    runs.trigger(etl, "etl", T0 + timedelta(hours=1))
+    assert etl.execute("SELECT count(*) AS n FROM pgflow.runs").fetchone() == {"n": 3}

@@ -107,20 +107,23 @@ def plan(conn: Conn, name: str, args: dict[str, Any] | None = None) -> str:
     return "\n".join(row["QUERY PLAN"] for row in rows)
 
 
-def test_queue_queries_skip_the_finished_history(cluster: Conn) -> None:
+def test_queries_skip_the_finished_history(cluster: Conn) -> None:
     add_runs(cluster, "succeeded", "history", 200_000)
     cluster.execute("ANALYZE pgflow.runs")
-    for name in ("status_queue_depth", "status_dead_letters"):
-        explained = plan(cluster, name)
-        assert "Seq Scan on runs" not in explained, explained
-    assert "runs_dead_idx" in plan(cluster, "status_dead_letters")
-    by_state = plan(cluster, "runs_list_by_state",
-                    {"state": "queued", "tenant": None, "before_id": None, "limit": 100})
-    assert "runs_state_idx" in by_state, by_state
-    by_job = plan(cluster, "runs_list_by_job", {"job": "job-queuedsales", "state": None,
-                                                "tenant": None, "before_id": None, "limit": 100})
-    assert "runs_job_idx" in by_job, by_job
-    assert "Seq Scan" not in plan(cluster, "runs_dead_letters", {"limit": 100})
+    no_cursor = {"tenant": None, "before_id": None, "limit": 100}
+    plans = {
+        "status_queue_depth": plan(cluster, "status_queue_depth"),
+        "status_dead_letters": plan(cluster, "status_dead_letters"),
+        "runs_dead_letters": plan(cluster, "runs_dead_letters", {"limit": 100}),
+        "queued": plan(cluster, "runs_list_by_state", {"state": "queued", **no_cursor}),
+        "succeeded": plan(cluster, "runs_list_by_state", {"state": "succeeded", **no_cursor}),
+        "by_job": plan(cluster, "runs_list_by_job", {"job": "job-queuedsales", "state": None,
+                                                     **no_cursor}),
+    }
+    for name, explained in plans.items():
+        assert "Seq Scan on runs" not in explained, (name, explained)
+    assert "runs_dead_idx" in plans["status_dead_letters"]
+    assert "runs_job_idx" in plans["by_job"]
 
 
 @pytest.fixture
@@ -145,7 +148,7 @@ def test_cli_status(cli: Any, cluster: Conn) -> None:
     assert lines[0].startswith("leader: r1 (term 7, heartbeat ")
     assert lines[1] == "replicas: 2 alive, 1 not responding"
     assert lines[2].split() == ["ID", "HOST", "PID", "ROLES", "VERSION", "CONCURRENCY",
-                                "HEARTBEAT_AGE_S", "ALIVE"]
+                                "HEARTBEAT_AGE_S", "ALIVE", "STOPPING"]
     assert lines[3].split()[:4] == ["r1", "host-r1", "4242", "scheduler,worker,reaper,web"]
     assert "queue: pending 0, queued 5, running 1, retrying 1; dead letters 1" in lines
     assert lines[-1].split() == ["running", "sales", "1"]

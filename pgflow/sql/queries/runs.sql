@@ -110,7 +110,7 @@ LIMIT %(limit)s
 -- Ages by the database clock: replicas' own clocks may disagree.
 SELECT id, host, pid, roles, version, concurrency, stopping, started_at, heartbeat_at,
        round(extract(epoch FROM now() - heartbeat_at)::numeric, 3)::float8 AS heartbeat_age_s,
-       heartbeat_at > now() - make_interval(secs => 3 * %(ttl)s) AS alive
+       heartbeat_at > now() - make_interval(secs => %(alive_ttls)s * %(ttl)s) AS alive
 FROM pgflow.replicas
 ORDER BY id
 
