@@ -26,7 +26,7 @@ class Ctx:
     """Lazily resolved settings and database connection shared by subcommands."""
 
     def __init__(self, database_url: str | None, home: str | None) -> None:
-        self._overrides = {"database_url": database_url, "home": home}
+        self._overrides: dict[str, Any] = {"database_url": database_url, "home": home}
         self._settings: Settings | None = None
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
 
@@ -35,6 +35,11 @@ class Ctx:
         if self._settings is None:
             self._settings = load_settings(**self._overrides)
         return self._settings
+
+    def override(self, **values: Any) -> None:
+        """Flags of a subcommand win over the group's flags and the environment."""
+        self._overrides.update({k: v for k, v in values.items() if v is not None})
+        self._settings = None
 
     def url(self) -> str:
         return db.resolve_url(self.settings)
@@ -411,6 +416,152 @@ def _leader_line(leader: dict[str, Any] | None) -> str:
     age = f"heartbeat {leader['heartbeat_age_s']:.1f}s ago"
     stale = "; STALE, a standby will take over" if leader["stale"] else ""
     return f"leader: {leader['replica_id']} (term {leader['term']}, {age}{stale})"
+
+
+# ---------------------------------------------------------------- serve
+
+ALL_ROLES = ("scheduler", "worker", "reaper", "web")
+
+
+@cli.command("serve")
+@click.option("--role", "roles", multiple=True, type=click.Choice(ALL_ROLES),
+              help="Role to play (repeatable); default: all of them.")
+@click.option("--concurrency", type=click.IntRange(1, 100_000), default=16, show_default=True,
+              help="Runs this replica executes at once.")
+@click.option("--bind", help="host:port of the web role [PGFLOW_BIND, 127.0.0.1:8080].")
+@click.option("--app", "apps", multiple=True, metavar="MODULE:ATTR",
+              help="Register the jobs of a pgflow.Flow at start (repeatable).")
+@click.option("--grace", default="10s", show_default=True,
+              help="How long running attempts may finish after SIGTERM.")
+@click.option("--lease-ttl", help="Seconds a lease lasts without heartbeat [PGFLOW_LEASE_TTL, 30].")
+@click.option("--database-url", "serve_url", help="libpq URL [PGFLOW_DATABASE_URL].")
+@click.option("--home", "serve_home", help="Data folder [PGFLOW_HOME].")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@pass_ctx
+def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: int, bind: str | None,
+                  apps: tuple[str, ...], grace: str, lease_ttl: str | None,
+                  serve_url: str | None, serve_home: str | None, log_level: str) -> None:
+    """Run a replica: scheduler, worker, reaper and web roles."""
+    from pgflow import log as logging_setup
+    from pgflow.duration import parse_duration
+    from pgflow.serve import ServeOptions, serve
+
+    ctx.override(database_url=serve_url, home=serve_home, lease_ttl=lease_ttl, bind=bind)
+    try:
+        grace_s = parse_duration(grace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--grace'") from None
+    chosen = tuple(dict.fromkeys(roles)) or ALL_ROLES
+    url = ctx.url()
+    conn = ctx.conn()
+    if apps:
+        loaded = registry.load_sources(list(apps))
+        registry.apply(conn, loaded.specs, source=", ".join(apps), invalid=loaded.errors)
+    if "web" in chosen:
+        from pgflow.web import check_bind_allowed
+
+        check_bind_allowed(conn, ctx.settings.bind)
+    conn.close()
+    logging_setup.configure(log_level)
+    serve(ServeOptions(url=url, roles=chosen, concurrency=concurrency, grace=grace_s,
+                       lease_ttl=ctx.settings.lease_ttl, bind=ctx.settings.bind,
+                       settings=ctx.settings))
+
+
+# ---------------------------------------------------------------- backfill
+
+
+@cli.group("backfill", invoke_without_command=True)
+@click.argument("name", required=False)
+@click.option("--start", callback=_parse_logical_time, help="First logical time (inclusive).")
+@click.option("--end", callback=_parse_logical_time, help="Last logical time (exclusive).")
+@click.option("--max-concurrency", type=click.IntRange(1, 10_000), default=2, show_default=True,
+              help="Runs of this backfill running at once.")
+@click.option("--downstream", is_flag=True, help="Also run the job's downstream jobs.")
+@json_option
+@click.pass_context
+def backfill_group(click_ctx: click.Context, name: str | None, start: datetime | None,
+                   end: datetime | None, max_concurrency: int, downstream: bool,
+                   as_json: bool) -> None:
+    """Re-run a job for every tick in [--start, --end); or list|show|cancel backfills."""
+    if click_ctx.invoked_subcommand is not None:
+        if name is not None:
+            raise click.UsageError("give either a job NAME or a subcommand, not both")
+        return
+    if name is None or start is None or end is None:
+        raise click.UsageError("backfill needs NAME --start ISO --end ISO"
+                               " (or one of: list, show ID, cancel ID)")
+    from pgflow import backfill
+
+    ctx: Ctx = click_ctx.obj
+    conn = ctx.conn()
+    job = _job(ctx, name)
+    ticks = backfill.plan_ticks(job["schedule"] or "", job["timezone"], start, end) \
+        if job["schedule"] else []
+    with click.progressbar(length=max(len(ticks), 1), label=f"backfilling {name}",
+                           file=sys.stderr, show_pos=True) as bar:
+        made = backfill.create(conn, name, start, end, max_concurrency=max_concurrency,
+                               downstream=downstream, progress=bar.update)
+    if as_json:
+        emit_json(made)
+    else:
+        click.echo(f"backfill {made['id']}: {made['created']} run(s) created,"
+                   f" {made['skipped']} tick(s) skipped (already had a run)")
+
+
+BACKFILL_COLUMNS = ["id", "job", "range_start", "range_end", "max_concurrency", "state",
+                    "ticks", "skipped", "progress"]
+
+
+def _with_progress(row: dict[str, Any]) -> dict[str, Any]:
+    counts = row["counts"]
+    done = sum(counts.get(s, 0) for s in ("succeeded", "failed", "cancelled", "upstream_failed"))
+    return {**row, "progress": f"{done}/{sum(counts.values())}"}
+
+
+@backfill_group.command("list")
+@json_option
+@pass_ctx
+def backfill_list(ctx: Ctx, as_json: bool) -> None:
+    """List backfills, newest first, with progress."""
+    from pgflow import backfill
+
+    rows = [_with_progress(r) for r in backfill.list_backfills(ctx.conn())]
+    if as_json:
+        emit_json(rows)
+    else:
+        emit_table(rows, BACKFILL_COLUMNS)
+
+
+@backfill_group.command("show")
+@click.argument("backfill_id", type=int)
+@json_option
+@pass_ctx
+def backfill_show(ctx: Ctx, backfill_id: int, as_json: bool) -> None:
+    """Show one backfill and its runs by state."""
+    from pgflow import backfill
+
+    row = _with_progress(backfill.show(ctx.conn(), backfill_id))
+    if as_json:
+        emit_json(row)
+        return
+    for key in BACKFILL_COLUMNS + ["downstream", "created_at", "finished_at"]:
+        click.echo(f"{key + ':':<16} {row[key] if row[key] is not None else '-'}")
+    click.echo("runs:           " + (", ".join(f"{k} {v}" for k, v in sorted(
+        row["counts"].items())) or "-"))
+
+
+@backfill_group.command("cancel")
+@click.argument("backfill_id", type=int)
+@pass_ctx
+def backfill_cancel(ctx: Ctx, backfill_id: int) -> None:
+    """Cancel a backfill: its unstarted runs are cancelled, running ones stopped."""
+    from pgflow import backfill
+
+    result = backfill.cancel(ctx.conn(), backfill_id)
+    click.echo(f"backfill {backfill_id} cancelled: {result['cancelled']} run(s) cancelled,"
+               f" {result['stopping']} running run(s) asked to stop")
 
 
 # ---------------------------------------------------------------- entry point

@@ -11,7 +11,9 @@ skips the grace.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,9 +32,13 @@ class ServeOptions:
     grace: float
     lease_ttl: float
     bind: str
+    settings: Any = None
 
 
 def serve(options: ServeOptions) -> None:
+    # Entrypoints name modules relative to where the replica runs, as with `pgflow apply`.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     asyncio.run(_serve(options))
 
 
@@ -72,10 +78,16 @@ async def _serve(options: ServeOptions) -> None:
 def _on_signals(shutdown: asyncio.Event, worker: Worker | None, log: Any) -> None:
     loop = asyncio.get_running_loop()
 
+    first: list[float] = []
+
     def handle(sig: signal.Signals) -> None:
-        if shutdown.is_set() and worker is not None:
+        # A signal sent to the process and to its group (timeout, some supervisors) arrives
+        # twice at once; only a deliberate second signal cuts the grace short.
+        now = loop.time()
+        if first and now - first[0] > 1.0 and worker is not None:
             log.warning("second signal: interrupting running attempts now", signal=sig.name)
             worker.hurry()
+        first[:] = first or [now]
         shutdown.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
