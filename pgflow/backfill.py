@@ -60,7 +60,7 @@ def create(
             "downstream": downstream}).fetchone()["id"]  # type: ignore[index]
         for offset in range(0, len(ticks), CHUNK):
             chunk = ticks[offset : offset + CHUNK]
-            rows = conn.execute(q("create_dag_runs"), {
+            rows = conn.execute(q("create_runs"), {
                 "jobs": [job] * len(chunk), "times": chunk, "trigger": "backfill",
                 "params": json.dumps({}), "downstream": downstream, "state": "pending",
                 "priority_offset": BACKFILL_PRIORITY_OFFSET, "backfill_id": backfill_id,

@@ -1,6 +1,6 @@
 """Dependencies between runs of one logical time (a DAG run).
 
-- Creation: ``create_dag_runs`` creates the runs of a whole DAG run at once (the
+- Creation: ``create_runs`` creates the runs of a whole DAG run at once (the
   requested jobs, the other roots of their DAG, and every job downstream as
   ``pending``), so the UI and SQL show the full DAG run from the start.
 - Completion: ``finish_attempts`` locks the pending direct downstreams of runs

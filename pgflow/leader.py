@@ -60,14 +60,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
+import structlog
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
+from pgflow import backfill
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
 from pgflow.scheduler import SchedulePass, run_once
@@ -91,11 +94,12 @@ _CONNECT_OPTIONS: dict[str, Any] = {
     "autocommit": True,
     "application_name": "pgflow-scheduler",
     "connect_timeout": 10,
-    # Notice a dead peer in about 10 s instead of the kernel's two hours.
+    # Notice a dead peer in seconds instead of the kernel's hours (TCP only).
     "keepalives": 1,
     "keepalives_idle": 5,
     "keepalives_interval": 2,
     "keepalives_count": 3,
+    "tcp_user_timeout": 15_000,
 }
 
 
@@ -154,12 +158,14 @@ class Leadership:
         self.max_sleep = max_sleep
         self._log = log.bind(component="scheduler", replica_id=replica_id)
         self._term: int | None = None
+        self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
         self._failures = 0
 
     @property
     def is_leader(self) -> bool:
-        """This replica holds the lock and its last heartbeat matched its term."""
-        return self._term is not None
+        """This replica won the lock and its term was confirmed within the lease TTL
+        (a replica stuck on a dead connection stops claiming to lead after the TTL)."""
+        return self._term is not None and time.monotonic() - self._confirmed_at < self.lease_ttl
 
     @property
     def term(self) -> int | None:
@@ -192,11 +198,12 @@ class Leadership:
     async def _compete(self, conn: AsyncConnection[Any], stop: asyncio.Event) -> None:
         while not stop.is_set():
             won = await _fetch_value(conn, "try_leader_lock", {"key": LEADER_LOCK_KEY})
-            self._failures = 0
             if won:
                 await self._lead(conn, stop)
                 return  # leadership over: drop the lock connection
-            if not await self._depose_frozen_leader(conn):
+            deposed = await self._depose_frozen_leader(conn)
+            self._failures = 0  # a whole standby round worked
+            if not deposed:
                 await _sleep(stop, self.retry_interval)
 
     async def _depose_frozen_leader(self, conn: AsyncConnection[Any]) -> bool:
@@ -221,6 +228,9 @@ class Leadership:
                 await self._heartbeat(conn)
                 result = await run_once(conn)
                 self._report(result)
+                released = await backfill.release(conn)
+                if released:
+                    self._log.debug("released backfill runs", runs=released)
                 if not result.more:
                     await self._wait_for_work(conn, stop, result)
         except _LostLeadership:
@@ -233,6 +243,8 @@ class Leadership:
         params = {"replica_id": self.replica_id, "term": self._term}
         if await _fetch_value(conn, "leader_heartbeat", params) is None:
             raise _LostLeadership
+        self._confirmed_at = time.monotonic()
+        self._failures = 0
 
     async def _wait_for_work(
         self, conn: AsyncConnection[Any], stop: asyncio.Event, result: SchedulePass
@@ -258,12 +270,16 @@ class Leadership:
 
     def _set_follower(self) -> None:
         if self._term is not None:
-            self._log.info("scheduler leadership released", term=self._term)
+            self._log.info("scheduler leadership ended", term=self._term)
         self._term = None
 
 
 async def run_scheduler(
-    url: str, replica_id: str, lease_ttl: float, stop: asyncio.Event, log: Any
+    url: str,
+    replica_id: str,
+    lease_ttl: float,
+    stop: asyncio.Event,
+    log: structlog.stdlib.BoundLogger | Any,
 ) -> None:
     """The scheduler role of ``pgflow serve``: runs until ``stop`` is set."""
     await Leadership(url, replica_id, lease_ttl, log).run(stop)

@@ -53,7 +53,7 @@ def trigger(
         logical_time = logical_time.replace(tzinfo=UTC)
     with conn.transaction():
         when = logical_time if logical_time is not None else _db_second(conn)
-        rows = conn.execute(q("create_dag_runs"), {
+        rows = conn.execute(q("create_runs"), {
             "jobs": [job], "times": [when], "trigger": "manual",
             "params": None if params is None else Jsonb(params), "downstream": downstream,
             "state": "queued", "priority_offset": 0, "backfill_id": None,

@@ -187,9 +187,10 @@ async def _one_pass(
         if plan.run_jobs:
             await cur.execute(q("create_runs"), {
                 "jobs": plan.run_jobs, "times": plan.run_times, "trigger": "schedule",
-                "params": None,
+                "params": None, "downstream": True, "state": "queued", "priority_offset": 0,
+                "backfill_id": None,
             })
-            created = len(await cur.fetchall())
+            created = cur.rowcount
         await cur.execute(q("advance_jobs"), {"names": plan.names, "times": plan.next_times})
         if created:
             await cur.execute(q("notify_queue"))

@@ -28,8 +28,10 @@ def enqueue(conn: Conn, job: str, at: datetime | None = None,
     import json
 
     moment = at or datetime.now(UTC)
-    row = conn.execute(q("create_runs"), {"jobs": [job], "times": [moment], "trigger": "manual",
-                                          "params": json.dumps(params or {})}).fetchone()
+    row = conn.execute(q("create_runs"), {
+        "jobs": [job], "times": [moment], "trigger": "manual", "params": json.dumps(params or {}),
+        "downstream": False, "state": "queued", "priority_offset": 0, "backfill_id": None,
+    }).fetchone()
     assert row is not None
     conn.execute(q("notify_queue"))
     return int(row["id"])
@@ -115,7 +117,7 @@ class WorkerThread:
 def start_dag(conn: Conn, jobs: list[str], at: datetime, *, downstream: bool = True,
               trigger: str = "manual") -> dict[str, int]:
     """Create the DAG run of ``jobs`` at ``at``; returns {job: run id} of the created runs."""
-    rows = conn.execute(q("create_dag_runs"), {
+    rows = conn.execute(q("create_runs"), {
         "jobs": jobs, "times": [at] * len(jobs), "trigger": trigger, "params": None,
         "downstream": downstream, "state": "queued", "priority_offset": 0,
         "backfill_id": None}).fetchall()

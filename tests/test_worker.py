@@ -194,3 +194,17 @@ def test_claim_query_is_an_index_scan_with_many_finished_runs(conn: Conn) -> Non
                         {"worker": "w", "limit": 10, "ttl": 30}).fetchall()
     text = "\n".join(row["QUERY PLAN"] for row in plan)
     assert "runs_claimable_idx" in text and "Seq Scan on runs" not in text
+
+
+def test_open_breaker_holds_back_runs_of_jobs_using_its_source(conn: Conn,
+                                                               worker: WorkerThread) -> None:
+    add_job(conn, "uses_wh", entrypoint="jobfuncs:noop", sources=["warehouse"])
+    add_job(conn, "other", entrypoint="jobfuncs:noop")
+    conn.execute("INSERT INTO pgflow.breakers (source, state) VALUES ('warehouse', 'open')")
+    held = enqueue(conn, "uses_wh")
+    free = enqueue(conn, "other")
+    wait_for(lambda: finished(conn, free))
+    assert run_row(conn, held)["state"] == "queued"
+    conn.execute("UPDATE pgflow.breakers SET state = 'closed' WHERE source = 'warehouse'")
+    conn.execute("SELECT pg_notify('pgflow_queue', '')")
+    wait_for(lambda: finished(conn, held))

@@ -31,7 +31,13 @@ ON CONFLICT (name) DO UPDATE SET
     catchup = EXCLUDED.catchup, sources = EXCLUDED.sources, params = EXCLUDED.params,
     max_attempts = EXCLUDED.max_attempts, backoff_s = EXCLUDED.backoff_s,
     max_backoff_s = EXCLUDED.max_backoff_s, jitter = EXCLUDED.jitter,
-    no_retry_exit_codes = EXCLUDED.no_retry_exit_codes, next_fire_at = EXCLUDED.next_fire_at,
+    no_retry_exit_codes = EXCLUDED.no_retry_exit_codes,
+    -- Same schedule: keep the row's current fire time (the scheduler may have advanced it
+    -- since the registry read it), so re-registering never repeats or skips a tick.
+    next_fire_at = CASE WHEN j.schedule IS NOT DISTINCT FROM EXCLUDED.schedule
+                             AND j.timezone = EXCLUDED.timezone
+                        THEN coalesce(j.next_fire_at, EXCLUDED.next_fire_at)
+                        ELSE EXCLUDED.next_fire_at END,
     definition = EXCLUDED.definition, updated_at = now()
 
 -- name: delete_deps

@@ -4,9 +4,15 @@
 
 -- name: claim_runs
 -- Claim up to %(limit)s runs for one worker, highest priority first, then oldest.
+-- Runs of a job that touches a source whose breaker is open stay queued; the check
+-- costs one lookup per statement while no breaker is open.
 WITH picked AS (
-    SELECT id FROM pgflow.runs
+    SELECT id FROM pgflow.runs r
     WHERE state IN ('queued', 'retrying') AND available_at <= now()
+      AND (NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state = 'open')
+           OR NOT EXISTS (SELECT 1 FROM pgflow.jobs j
+                          JOIN pgflow.breakers b ON b.source = ANY(j.sources)
+                          WHERE j.name = r.job AND b.state = 'open'))
     ORDER BY priority DESC, available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -144,7 +150,7 @@ FOR UPDATE OF r SKIP LOCKED
 -- name: notify_queue
 SELECT pg_notify('pgflow_queue', '')
 
--- name: create_dag_runs
+-- name: create_runs
 -- New runs, one per (job, logical_time); a pair that already has a run is skipped
 -- (this is what makes a tick exactly-once). With %(downstream)s, each requested job
 -- starts a DAG run for its logical time: a requested root brings the other unpaused
@@ -197,17 +203,6 @@ JOIN pgflow.jobs j ON j.name = w.job
 ORDER BY w.logical_time, w.job
 ON CONFLICT (job, logical_time) DO NOTHING
 RETURNING id, job, logical_time, state, trigger
-
--- name: create_runs
--- Transitional: single runs only (callers move to create_dag_runs).
-INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant, priority,
-                         params)
-SELECT i.job, i.logical_time, 'queued', j.max_attempts, %(trigger)s, j.tenant, j.priority,
-       j.params || coalesce(%(params)s::jsonb, '{}')
-FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
-JOIN pgflow.jobs j ON j.name = i.job
-ON CONFLICT (job, logical_time) DO NOTHING
-RETURNING id, job, logical_time
 
 -- name: failed_upstreams
 -- The failed or cancelled runs upstream of %(id)s (transitively, same logical time).

@@ -1,0 +1,242 @@
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import AsyncConnection
+
+from pgflow import registry
+from pgflow.queries import q
+from pgflow.scheduler import MISFIRE_GRACE, SchedulePass, plan_fires, run_once
+from pgflow.spec import JobSpec
+
+Conn = psycopg.Connection[dict[str, Any]]
+NOW = datetime(2024, 6, 3, 12, 0, tzinfo=UTC)
+POLICIES = ("latest", "all", "none")
+
+
+def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0) -> datetime:
+    return datetime(year, month, day, hour, minute, tzinfo=UTC)
+
+
+# ---------------------------------------------------------------- plan_fires (pure)
+
+
+@pytest.mark.parametrize("catchup", POLICIES)
+def test_a_job_due_exactly_now_fires_that_tick(catchup: str) -> None:
+    assert plan_fires("0 * * * *", "UTC", NOW, catchup, NOW) == ([NOW], NOW + timedelta(hours=1))
+
+
+@pytest.mark.parametrize("catchup", POLICIES)
+def test_a_job_not_due_keeps_its_fire_time(catchup: str) -> None:
+    later = NOW + timedelta(minutes=5)
+    assert plan_fires("*/5 * * * *", "UTC", later, catchup, NOW) == ([], later)
+
+
+def test_latest_fires_only_the_newest_missed_tick() -> None:
+    fires, next_fire = plan_fires("0 * * * *", "UTC", utc(2024, 6, 3, 8), "latest",
+                                  utc(2024, 6, 3, 11, 30))
+    assert fires == [utc(2024, 6, 3, 11)]
+    assert next_fire == utc(2024, 6, 3, 12)
+
+
+def test_all_fires_every_missed_tick_in_order() -> None:
+    fires, next_fire = plan_fires("0 * * * *", "UTC", utc(2024, 6, 3, 8), "all",
+                                  utc(2024, 6, 3, 11, 30))
+    assert fires == [utc(2024, 6, 3, h) for h in (8, 9, 10, 11)]
+    assert next_fire == utc(2024, 6, 3, 12)
+
+
+def test_all_caps_a_backlog_and_continues_from_the_first_tick_not_created() -> None:
+    fires, next_fire = plan_fires("0 * * * *", "UTC", utc(2024, 6, 3, 8), "all",
+                                  utc(2024, 6, 3, 11, 30), max_ticks=2)
+    assert fires == [utc(2024, 6, 3, 8), utc(2024, 6, 3, 9)]
+    assert next_fire == utc(2024, 6, 3, 10)
+    more, after = plan_fires("0 * * * *", "UTC", next_fire, "all", utc(2024, 6, 3, 11, 30),
+                             max_ticks=2)
+    assert more == [utc(2024, 6, 3, 10), utc(2024, 6, 3, 11)]
+    assert after == utc(2024, 6, 3, 12)
+
+
+def test_none_skips_missed_ticks_but_fires_one_within_the_grace() -> None:
+    late = utc(2024, 6, 3, 11) + MISFIRE_GRACE - timedelta(seconds=1)
+    assert plan_fires("0 * * * *", "UTC", utc(2024, 6, 3, 8), "none", late) == (
+        [utc(2024, 6, 3, 11)], utc(2024, 6, 3, 12))
+    too_late = utc(2024, 6, 3, 11) + MISFIRE_GRACE + timedelta(seconds=1)
+    assert plan_fires("0 * * * *", "UTC", utc(2024, 6, 3, 8), "none", too_late) == (
+        [], utc(2024, 6, 3, 12))
+
+
+def test_six_field_cron_under_each_policy() -> None:
+    every_15s = "*/15 * * * * *"
+    start = NOW - timedelta(minutes=2)
+    latest = plan_fires(every_15s, "UTC", start, "latest", NOW)
+    assert latest == ([NOW], NOW + timedelta(seconds=15))
+    fires, _ = plan_fires(every_15s, "UTC", start, "all", NOW)
+    assert len(fires) == 9 and fires[0] == start and fires[-1] == NOW
+    fires, next_fire = plan_fires(every_15s, "UTC", start, "none", NOW)
+    assert fires == [NOW - timedelta(seconds=s) for s in (60, 45, 30, 15, 0)]
+    assert next_fire == NOW + timedelta(seconds=15)
+
+
+def test_spring_forward_fires_the_skipped_time_at_the_end_of_the_gap() -> None:
+    # Berlin, 2024-03-31: 02:00 CET jumps to 03:00 CEST (01:00 UTC).
+    fires, next_fire = plan_fires("30 2 * * *", "Europe/Berlin", utc(2024, 3, 30, 1, 30),
+                                  "all", utc(2024, 3, 31, 12))
+    assert fires == [utc(2024, 3, 30, 1, 30), utc(2024, 3, 31, 1)]
+    assert next_fire == utc(2024, 4, 1, 0, 30)
+
+
+def test_fall_back_fires_a_fixed_hour_once() -> None:
+    # Berlin, 2024-10-27: 02:30 happens at 00:30 UTC (CEST) and again at 01:30 UTC (CET).
+    for catchup in POLICIES:
+        fires, next_fire = plan_fires("30 2 * * *", "Europe/Berlin", utc(2024, 10, 27, 0, 30),
+                                      catchup, utc(2024, 10, 27, 1, 30))
+        assert next_fire == utc(2024, 10, 28, 1, 30), catchup
+        assert fires == ([] if catchup == "none" else [utc(2024, 10, 27, 0, 30)]), catchup
+
+
+def test_fall_back_fires_a_wildcard_hour_in_both_repeated_hours() -> None:
+    fires, next_fire = plan_fires("30 * * * *", "America/New_York", utc(2024, 11, 3, 4),
+                                  "all", utc(2024, 11, 3, 7))
+    # 00:30 EDT, 01:30 EDT, 01:30 EST, 02:30 EST
+    assert fires == [utc(2024, 11, 3, h, 30) for h in (4, 5, 6)]
+    assert next_fire == utc(2024, 11, 3, 7, 30)
+
+
+def test_unknown_catchup_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown catchup policy 'some'"):
+        plan_fires("0 * * * *", "UTC", NOW, "some", NOW)
+
+
+# ---------------------------------------------------------------- run_once (PostgreSQL)
+
+
+def spec(name: str, **keys: Any) -> JobSpec:
+    keys.setdefault("command", "true")
+    return JobSpec.model_validate({"name": name, **keys})
+
+
+def add_jobs(conn: Conn, specs: list[JobSpec], next_fire_at: datetime | None = None) -> None:
+    registry.apply(conn, specs)
+    if next_fire_at is not None:
+        conn.execute("UPDATE pgflow.jobs SET next_fire_at = %s WHERE schedule IS NOT NULL"
+                      " AND name = ANY(%s)", (next_fire_at, [s.name for s in specs]))
+
+
+def schedule_once(url: str, now: datetime | None = NOW, batch: int = 1000) -> SchedulePass:
+    async def scenario() -> SchedulePass:
+        async with await AsyncConnection.connect(url, autocommit=True) as aconn:
+            return await run_once(aconn, now, batch)
+    return asyncio.run(scenario())
+
+
+def runs(conn: Conn) -> list[tuple[str, datetime]]:
+    rows = conn.execute("SELECT job, logical_time FROM pgflow.runs WHERE trigger = 'schedule'"
+                        " ORDER BY job, logical_time").fetchall()
+    return [(r["job"], r["logical_time"]) for r in rows]
+
+
+def fire_times(conn: Conn) -> dict[str, datetime | None]:
+    rows = conn.execute("SELECT name, next_fire_at FROM pgflow.jobs").fetchall()
+    return {r["name"]: r["next_fire_at"] for r in rows}
+
+
+def test_run_once_creates_one_run_per_due_job_and_advances_it(conn: Conn, db_url: str) -> None:
+    add_jobs(conn, [spec("a", schedule="0 * * * *"), spec("b", schedule="*/30 * * * *"),
+                    spec("child", depends_on=["a"])], NOW)
+    add_jobs(conn, [spec("later", schedule="0 * * * *")], NOW + timedelta(hours=1))
+    result = schedule_once(db_url)
+    # The tick of 'a' starts its DAG run: 'child' gets a pending run at the same time.
+    assert (result.jobs_fired, result.runs_created) == (2, 3)
+    assert runs(conn) == [("a", NOW), ("b", NOW)]
+    assert fire_times(conn) == {"a": NOW + timedelta(hours=1),
+                                "b": NOW + timedelta(minutes=30), "child": None,
+                                "later": NOW + timedelta(hours=1)}
+    row = conn.execute("SELECT state, tenant, attempt FROM pgflow.runs WHERE job = 'a'").fetchone()
+    assert row == {"state": "queued", "tenant": "default", "attempt": 0}
+    assert schedule_once(db_url).runs_created == 0
+
+
+def test_paused_jobs_fire_nothing_and_catchup_decides_after_resume(
+    conn: Conn, db_url: str
+) -> None:
+    add_jobs(conn, [spec(p, schedule="0 * * * *", catchup=p) for p in POLICIES],
+             NOW - timedelta(hours=3))
+    conn.execute("UPDATE pgflow.jobs SET paused = true")
+    assert schedule_once(db_url).runs_created == 0
+    assert runs(conn) == []
+    conn.execute("UPDATE pgflow.jobs SET paused = false")
+    later = NOW + timedelta(minutes=30)  # resumed half an hour after the last tick
+    schedule_once(db_url, later)
+    assert runs(conn) == [("all", NOW - timedelta(hours=h)) for h in (3, 2, 1, 0)] + [
+        ("latest", NOW)]
+    assert set(fire_times(conn).values()) == {NOW + timedelta(hours=1)}
+
+
+def test_concurrent_schedulers_create_each_tick_once(conn: Conn, db_url: str) -> None:
+    add_jobs(conn, [spec(f"j{i}", schedule="*/10 * * * *", catchup="all")
+                    for i in range(1_500)], NOW - timedelta(minutes=30))
+
+    async def scenario() -> list[SchedulePass]:
+        async with await AsyncConnection.connect(db_url, autocommit=True) as one, \
+                await AsyncConnection.connect(db_url, autocommit=True) as two:
+            return list(await asyncio.gather(run_once(one, NOW, 100), run_once(two, NOW, 100)))
+
+    results = asyncio.run(scenario())
+    assert sum(r.runs_created for r in results) == 1_500 * 4
+    assert all(r.runs_created > 0 for r in results)  # both worked, neither doubled a tick
+    created = runs(conn)
+    assert len(created) == len(set(created)) == 1_500 * 4
+
+
+def test_a_stale_fire_time_cannot_double_a_tick(conn: Conn, db_url: str) -> None:
+    # What a deposed leader could hold: a fire time another scheduler already consumed.
+    add_jobs(conn, [spec("a", schedule="0 * * * *")], NOW)
+    assert schedule_once(db_url).runs_created == 1
+    conn.execute("UPDATE pgflow.jobs SET next_fire_at = %s", (NOW,))
+    again = schedule_once(db_url)
+    assert (again.jobs_fired, again.runs_created) == (1, 0)
+    assert runs(conn) == [("a", NOW)]
+    assert fire_times(conn)["a"] == NOW + timedelta(hours=1)
+
+
+def test_an_unevaluable_schedule_is_stopped_not_retried_forever(conn: Conn, db_url: str) -> None:
+    add_jobs(conn, [spec("ok", schedule="0 * * * *"), spec("bad", schedule="0 * * * *")], NOW)
+    conn.execute("UPDATE pgflow.jobs SET timezone = 'Mars/Olympus' WHERE name = 'bad'")
+    result = schedule_once(db_url)
+    assert result.broken == ["bad"] and result.runs_created == 1
+    assert fire_times(conn)["bad"] is None
+
+
+def test_ten_thousand_due_jobs_get_their_runs_and_wake_the_workers(
+    conn: Conn, db_url: str
+) -> None:
+    add_jobs(conn, [spec(f"job_{i:05}", schedule="*/5 * * * *") for i in range(10_000)], NOW)
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute("LISTEN pgflow_queue")
+        started = time.perf_counter()
+        result = schedule_once(db_url)
+        elapsed = time.perf_counter() - started
+        print(f"\n10,000 due jobs scheduled in {elapsed:.3f}s ({result.passes} passes)")
+        notified = {n.channel for n in listener.notifies(timeout=5, stop_after=1)}
+    assert notified == {"pgflow_queue"}
+    assert (result.jobs_fired, result.runs_created, result.more) == (10_000, 10_000, False)
+    counts = conn.execute("SELECT count(*) AS runs, count(DISTINCT job) AS jobs,"
+                          " min(logical_time) AS first, max(logical_time) AS last"
+                          " FROM pgflow.runs").fetchone()
+    assert counts == {"runs": 10_000, "jobs": 10_000, "first": NOW, "last": NOW}
+
+
+def test_the_due_jobs_query_uses_jobs_due_idx(conn: Conn) -> None:
+    specs = [spec(f"job_{i:05}", schedule="0 * * * *") for i in range(5_000)]
+    add_jobs(conn, specs)
+    conn.execute("UPDATE pgflow.jobs SET next_fire_at = %s::timestamptz"
+                 " + make_interval(secs => substr(name, 5)::int)", (NOW,))
+    conn.execute("ANALYZE pgflow.jobs")
+    plan = conn.execute("EXPLAIN (FORMAT JSON) " + q("due_jobs"),
+                        {"now": NOW + timedelta(seconds=30), "batch": 1000}).fetchone()
+    assert plan is not None
+    assert "jobs_due_idx" in str(plan)
