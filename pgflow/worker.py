@@ -114,6 +114,8 @@ class Worker:
                 conn = conn or await _connect(self.url)
                 self._wake.clear()
                 rows = await queue.claim(conn, self.id, free, self.ttl)
+                if len(rows) < free:
+                    rows += await queue.claim_capped(conn, self.id, free - len(rows), self.ttl)
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("claim", exc, conn, failures)
@@ -208,7 +210,7 @@ class Worker:
 
     async def _flush_until_empty(self, deadline: float) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
-        while self._results and time.monotonic() < deadline:
+        while (self._results or self._flushing.locked()) and time.monotonic() < deadline:
             try:
                 conn = conn or await _connect(self.url)
                 await self._flush_once(conn)

@@ -95,6 +95,8 @@ class WorkerThread:
 
             self.loop.run_until_complete(create())
             self.loop.run_forever()
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
 
         self.thread = threading.Thread(target=main, daemon=True)
         self.thread.start()

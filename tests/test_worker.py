@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,22 @@ def test_open_breaker_holds_back_runs_of_jobs_using_its_source(conn: Conn,
     conn.execute("UPDATE pgflow.breakers SET state = 'closed' WHERE source = 'warehouse'")
     conn.execute("SELECT pg_notify('pgflow_queue', '')")
     wait_for(lambda: finished(conn, held))
+
+
+def test_max_active_runs_holds_across_workers(conn: Conn, db_url: str) -> None:
+    add_job(conn, "capped", entrypoint="jobfuncs:sleep", params={"seconds": 0.3},
+            max_active_runs=2)
+    runs = [enqueue(conn, "capped", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
+            for i in range(10)]
+    workers = [WorkerThread(db_url, concurrency=5, worker_id=f"w{i}") for i in range(2)]
+    try:
+        wait_for(lambda: all(finished(conn, r) for r in runs), timeout=60)
+    finally:
+        for w in workers:
+            w.stop(grace=1)
+    peak = conn.execute("""
+        SELECT max((SELECT count(*) FROM pgflow.attempts b
+                    WHERE b.started_at <= a.started_at AND b.finished_at > a.started_at)) AS n
+        FROM pgflow.attempts a""").fetchone()
+    assert peak is not None and peak["n"] <= 2
+    assert len({a["worker_id"] for r in runs for a in attempts(conn, r)}) == 2

@@ -8,7 +8,7 @@
 -- costs one lookup per statement while no breaker is open.
 WITH picked AS (
     SELECT id FROM pgflow.runs r
-    WHERE state IN ('queued', 'retrying') AND available_at <= now()
+    WHERE state IN ('queued', 'retrying') AND NOT capped AND available_at <= now()
       AND (NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state = 'open')
            OR NOT EXISTS (SELECT 1 FROM pgflow.jobs j
                           JOIN pgflow.breakers b ON b.source = ANY(j.sources)
@@ -16,6 +16,56 @@ WITH picked AS (
     ORDER BY priority DESC, available_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE pgflow.runs r
+    SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
+        lease_expires_at = now() + make_interval(secs => %(ttl)s),
+        attempt_started_at = now(), started_at = coalesce(r.started_at, now())
+    FROM picked
+    WHERE r.id = picked.id
+    RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
+              r.attempt_started_at, r.cancel_requested
+)
+SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params, c.attempt_started_at,
+       c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
+       j.jitter, j.no_retry_exit_codes
+FROM claimed c
+LEFT JOIN pgflow.jobs j ON j.name = c.job
+
+-- name: capped_jobs_waiting
+-- Jobs with a max_active_runs cap that have claimable runs.
+SELECT DISTINCT job FROM pgflow.runs
+WHERE state IN ('queued', 'retrying') AND capped AND available_at <= now()
+ORDER BY job
+LIMIT 100
+
+-- name: lock_capped_jobs
+-- Claims of a capped job take turns (transaction-scoped, in name order: no deadlock).
+SELECT count(pg_advisory_xact_lock(1885759855, hashtext(job)))  -- class: "pgfo"
+FROM (SELECT unnest(%(jobs)s::text[]) AS job ORDER BY 1) j
+
+-- name: claim_capped_runs
+-- Run after lock_capped_jobs, as a new statement: its snapshot sees every claim that
+-- committed before we got the locks, so the count of running runs is exact.
+WITH room AS (
+    SELECT j.name, j.max_active_runs
+               - (SELECT count(*) FROM pgflow.runs x WHERE x.job = j.name AND x.state = 'running')
+               AS free
+    FROM pgflow.jobs j
+    WHERE j.name = ANY(%(jobs)s::text[])
+), picked AS (
+    SELECT p.id
+    FROM room
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.priority, r.available_at FROM pgflow.runs r
+        WHERE r.job = room.name AND r.state IN ('queued', 'retrying') AND r.capped
+          AND r.available_at <= now()
+        ORDER BY r.priority DESC, r.available_at, r.id
+        LIMIT greatest(coalesce(room.free, 1), 0)
+        FOR UPDATE SKIP LOCKED
+    ) p
+    ORDER BY p.priority DESC, p.available_at, p.id
+    LIMIT %(limit)s
 ), claimed AS (
     UPDATE pgflow.runs r
     SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
@@ -190,14 +240,14 @@ WITH RECURSIVE input AS (
     ORDER BY job, logical_time, requested DESC, pending
 )
 INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant, priority,
-                         params, backfill_id)
+                         params, backfill_id, capped)
 SELECT w.job, w.logical_time,
        CASE WHEN w.pending THEN 'pending' ELSE %(state)s END,
        j.max_attempts,
        CASE WHEN w.pending THEN 'dependency' ELSE %(trigger)s END,
        j.tenant, j.priority + %(priority_offset)s,
        CASE WHEN w.requested THEN j.params || coalesce(%(params)s::jsonb, '{}') ELSE j.params END,
-       %(backfill_id)s
+       %(backfill_id)s, j.max_active_runs IS NOT NULL
 FROM wanted w
 JOIN pgflow.jobs j ON j.name = w.job
 ORDER BY w.logical_time, w.job
