@@ -546,7 +546,7 @@ def backfill_show(ctx: Ctx, backfill_id: int, as_json: bool) -> None:
     if as_json:
         emit_json(row)
         return
-    for key in BACKFILL_COLUMNS + ["downstream", "created_at", "finished_at"]:
+    for key in [*BACKFILL_COLUMNS, "downstream", "created_at", "finished_at"]:
         click.echo(f"{key + ':':<16} {row[key] if row[key] is not None else '-'}")
     click.echo("runs:           " + (", ".join(f"{k} {v}" for k, v in sorted(
         row["counts"].items())) or "-"))

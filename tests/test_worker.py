@@ -76,7 +76,7 @@ def test_failures_retry_with_backoff_then_dead_letter(conn: Conn, worker: Worker
     assert [(a["attempt"], a["outcome"], a["exit_code"]) for a in tries] == [
         (1, "failed", 3), (2, "failed", 3), (3, "failed", 3)]
     gap = (tries[2]["started_at"] - tries[1]["finished_at"]).total_seconds()
-    assert gap >= 0.4 - 0.05  # second retry waits 2 × 0.2 s
+    assert gap >= 0.4 - 0.05  # second retry waits 2 x 0.2 s
 
 
 def test_retry_succeeds_on_second_attempt(conn: Conn, worker: WorkerThread) -> None:
