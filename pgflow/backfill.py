@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -83,7 +83,7 @@ def show(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
     row = conn.execute(q("list_backfills"), {"id": backfill_id, "limit": 1}).fetchone()
     if row is None:
         raise NotFound(f"no backfill {backfill_id} (see 'pgflow backfill list')")
-    return row
+    return dict(row)
 
 
 def cancel(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
@@ -112,7 +112,3 @@ async def release(conn: psycopg.AsyncConnection[Any]) -> int:
             await conn.execute(q("notify_queue"))
         await conn.execute(q("complete_backfills"))
     return released
-
-
-def utc(moment: datetime) -> datetime:
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)

@@ -65,12 +65,12 @@ async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
 async def claim_capped(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
                        ttl: float) -> list[dict[str, Any]]:
     """Claim runs of jobs with a max_active_runs cap, never exceeding it cluster-wide."""
+    cur = conn.cursor(row_factory=dict_row)
+    await cur.execute(q("capped_jobs_waiting"))
+    jobs = [row["job"] for row in await cur.fetchall()]
+    if not jobs:
+        return []
     async with conn.transaction():
-        cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(q("capped_jobs_waiting"))
-        jobs = [row["job"] for row in await cur.fetchall()]
-        if not jobs:
-            return []
         await cur.execute(q("lock_capped_jobs"), {"jobs": jobs})
         await cur.execute(q("claim_capped_runs"),
                           {"jobs": jobs, "worker": worker, "limit": limit, "ttl": ttl})

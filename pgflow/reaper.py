@@ -79,7 +79,8 @@ async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any) 
         except psycopg.Error as exc:
             failures += 1
             log.warning("reaper: database error, retrying", error=str(exc).strip())
-            conn = await _close(conn)
+            await _close(conn)
+            conn = None
         delay = interval if not failures else min(5.0, 0.2 * 2**failures)
         await _sleep_until(stop, delay * random.uniform(0.8, 1.2))
     await _close(conn)

@@ -35,6 +35,7 @@ from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.queue import Finish
 
 POLL_S = 1.0
+CAPPED_CHECK_S = 0.5
 MAX_CLAIM = 500
 MAX_FLUSH = 5000
 
@@ -64,6 +65,8 @@ class Worker:
         self._idle.set()
         self._claiming = True
         self._hurry = asyncio.Event()
+        self._capped_seen = False
+        self._capped_checked = 0.0
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="pgflow-job")
         self._loops: list[asyncio.Task[None]] = []
@@ -114,17 +117,30 @@ class Worker:
                 conn = conn or await _connect(self.url)
                 self._wake.clear()
                 rows = await queue.claim(conn, self.id, free, self.ttl)
-                if len(rows) < free:
-                    rows += await queue.claim_capped(conn, self.id, free - len(rows), self.ttl)
+                for row in rows:
+                    self._start(row)
+                if len(rows) < free and self._capped_due():
+                    capped = await queue.claim_capped(conn, self.id, free - len(rows), self.ttl)
+                    self._capped_seen = bool(capped)
+                    for row in capped:
+                        self._start(row)
+                    rows += capped
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("claim", exc, conn, failures)
                 continue
-            for row in rows:
-                self._start(row)
             if len(rows) < free and self._claiming:
                 await _wait(self._wake, POLL_S)
         await _close(conn)
+
+    def _capped_due(self) -> bool:
+        """Capped runs are looked for when the last look found some, else twice a second:
+        an idle worker's wake-up stays one statement."""
+        now = time.monotonic()
+        if self._capped_seen or now - self._capped_checked >= CAPPED_CHECK_S:
+            self._capped_checked = now
+            return True
+        return False
 
     def _start(self, row: dict[str, Any]) -> None:
         job = Job(run_id=row["id"], job=row["job"], logical_time=row["logical_time"],
