@@ -44,7 +44,8 @@ def test_schema_has_the_constraints_and_indexes_hot_paths_need(empty_db_url: str
         migrate.migrate(conn)
         indexes = {r[0]: r[1] for r in conn.execute(
             "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'pgflow'")}
-        assert "WHERE (state = ANY" in indexes["runs_claimable_idx"]
+        assert "state = ANY" in indexes["runs_claimable_idx"]
+        assert "NOT capped" in indexes["runs_claimable_idx"]
         assert "lease_expires_at" in indexes["runs_lease_idx"]
         assert "next_fire_at" in indexes["jobs_due_idx"]
         unique = conn.execute(
