@@ -47,8 +47,10 @@ lint: install-test
 	$(BIN)/ruff check pgflow tests
 	$(BIN)/mypy pgflow
 
-bench: install-test
-	$(BIN)/python -m bench.run
+# BENCH_ARGS=--quick for the ~2-minute subset; BENCH_PG_URL to use a running server.
+bench: install
+	$(PIP) install -e '.[bench]'
+	$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

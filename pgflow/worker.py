@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,9 +75,22 @@ class Worker:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._loops = [asyncio.create_task(loop(), name=f"worker-{loop.__name__}") for loop in
-                       (self._claim_loop, self._complete_loop, self._heartbeat_loop,
-                        self._listen_loop)]
+        self._loops = [asyncio.create_task(self._supervise(loop), name=f"worker-{loop.__name__}")
+                       for loop in (self._claim_loop, self._complete_loop, self._heartbeat_loop,
+                                    self._listen_loop)]
+
+    async def _supervise(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Database errors are handled inside each loop; anything else is a bug that must not
+        silently stop the replica from claiming or heartbeating: log it and restart the loop."""
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.log.exception("worker loop failed; restarting it", loop=loop.__name__)
+                await asyncio.sleep(1.0)
 
     async def drain(self, grace: float) -> None:
         """Graceful stop: claim nothing more, let attempts finish for ``grace`` seconds,
