@@ -11,9 +11,11 @@ skips the grace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +50,18 @@ async def _serve(options: ServeOptions) -> None:
     shutdown = asyncio.Event()
     worker: Worker | None = None
 
-    stop = asyncio.Event()  # background roles
+    stop = asyncio.Event()  # the replica's heartbeat and the reaper: until the very end
+    stop_scheduling = asyncio.Event()  # at once on shutdown, so a standby takes over
     stopping = asyncio.Event()  # shown in pgflow status while draining
-    tasks: list[asyncio.Task[Any]] = [asyncio.create_task(
-        run_heartbeat(options.url, replica, options.lease_ttl, stop, stopping, log))]
+    tasks = [_supervised("heartbeat", lambda: run_heartbeat(
+        options.url, replica, options.lease_ttl, stop, stopping, log), stop, log)]
     if "scheduler" in options.roles:
-        tasks.append(asyncio.create_task(
-            run_scheduler(options.url, replica.id, options.lease_ttl, stop, log)))
+        tasks.append(_supervised("scheduler", lambda: run_scheduler(
+            options.url, replica.id, options.lease_ttl, stop_scheduling, log),
+            stop_scheduling, log))
     if "reaper" in options.roles:
-        tasks.append(asyncio.create_task(
-            reaper.run_reaper(options.url, options.lease_ttl, stop, log)))
+        tasks.append(_supervised("reaper", lambda: reaper.run_reaper(
+            options.url, options.lease_ttl, stop, log), stop, log))
     if "worker" in options.roles:
         worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
         worker.start()
@@ -68,11 +72,32 @@ async def _serve(options: ServeOptions) -> None:
     await shutdown.wait()
     log.info("shutting down", grace_s=options.grace)
     stopping.set()
+    stop_scheduling.set()
     if worker is not None:
         await worker.drain(options.grace)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     log.info("replica stopped")
+
+
+def _supervised(name: str, role: Callable[[], Awaitable[None]], stop: asyncio.Event,
+                log: Any) -> asyncio.Task[None]:
+    """Run a role until ``stop``; roles handle database errors themselves, and anything else
+    (a bug) is logged and the role restarted rather than left dead in a live process."""
+
+    async def run() -> None:
+        while not stop.is_set():
+            try:
+                await role()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("role failed; restarting it", role=name)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+
+    return asyncio.create_task(run(), name=name)
 
 
 def _on_signals(shutdown: asyncio.Event, worker: Worker | None, log: Any) -> None:
