@@ -10,23 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import importlib
 import inspect
 import json
 import os
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from pgflow.context import Context, PermanentError, SourceUnavailable
 from pgflow.retry import EX_TEMPFAIL, FAILED, SUCCEEDED, TIMED_OUT
 
 TAIL_BYTES = 64 * 1024
+# Each command runs under this supervisor: it kills the command's whole process group
+# if the replica dies (even by kill -9).
+_SUPERVISOR = str(Path(__file__).with_name("_supervise.py"))
 KILL_GRACE_S = 5.0
 
 
@@ -124,12 +128,12 @@ class Execution:
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else command
         try:
             process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self.environment(),
-                start_new_session=True, preexec_fn=_die_with_parent,
+                sys.executable, "-I", "-S", _SUPERVISOR, str(os.getpid()), *argv,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=self.environment(), start_new_session=True,
             )
         except OSError as exc:
-            return AttemptResult(FAILED, error=f"cannot start {argv[0]!r}: {exc.strerror or exc}")
+            return AttemptResult(FAILED, error=f"cannot start the supervisor: {exc}")
         self._stopped = asyncio.Event()
         if self._stop_outcome is not None:
             self._stopped.set()
@@ -229,6 +233,8 @@ def _command_result(code: int, timed_out: bool, timeout_s: float | None, stdout:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         return AttemptResult(FAILED, None, f"killed by {name}", stdout, stderr)
     reason = "source unavailable (exit 75)" if code == EX_TEMPFAIL else f"exited with code {code}"
+    if code == 127 and stderr.startswith("cannot start "):
+        reason = stderr.strip().splitlines()[0]
     return AttemptResult(FAILED, code, reason, stdout, stderr)
 
 
@@ -250,16 +256,3 @@ async def _terminate(process: asyncio.subprocess.Process) -> None:
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGKILL when the replica dies (kill -9), so a crashed replica
-    leaves no command running beside the retry that the reaper will start."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass

@@ -104,10 +104,6 @@ def test_kill9_of_a_worker_mid_run_is_retried_by_another_replica(
     assert second.alive()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "pgflow bug: PR_SET_PDEATHSIG is set on the command's first process only; processes it "
-    "forked (a shell pipeline, `sh -c 'a; b'`) survive a kill -9 of the replica and keep "
-    "running beside the retry"))
 def test_kill9_of_a_worker_leaves_no_process_of_the_command(
         conn: Conn, db_url: str, tmp_path: Path, replicas: Replicas) -> None:
     pgid_file, child_file = tmp_path / "pgid", tmp_path / "child"
