@@ -49,8 +49,8 @@ lint: install-test
 
 # BENCH_ARGS=--quick for the ~2-minute subset; BENCH_PG_URL to use a running server.
 bench: install
-	$(PIP) install -e '.[bench]'
-	$(BIN)/python -m bench.run $(BENCH_ARGS)
+	@$(PIP) install -e '.[bench]'
+	@$(BIN)/python -m bench.run $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
