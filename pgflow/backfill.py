@@ -103,10 +103,14 @@ def cancel(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
             "stopping": len(row["stopping"])}
 
 
-async def release(conn: psycopg.AsyncConnection[Any]) -> int:
-    """Leader duty: top running backfills up to their caps; close finished ones."""
+async def release(conn: psycopg.AsyncConnection[Any], ids: list[int] | None = None) -> int:
+    """Top running backfills (all, or ``ids``) up to their caps; close finished ones.
+    Workers call it when a backfill run ends; the leader calls it every loop."""
     async with conn.transaction():
-        cur = await conn.execute(q("release_backfill_runs"))
+        locked = await (await conn.execute(q("lock_backfills"), {"ids": ids})).fetchall()
+        if not locked:
+            return 0
+        cur = await conn.execute(q("release_backfill_runs"), {"ids": [row[0] for row in locked]})
         released = cur.rowcount
         if released:
             await conn.execute(q("notify_queue"))

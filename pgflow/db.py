@@ -35,12 +35,19 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
+# pgflow's statements are short OLTP statements, but the row estimates of the recursive
+# DAG queries can pass jit_above_cost, and compiling then costs about a second each.
+_SESSION_SETUP = "SET jit = off"
+
+
 def connect(url: str, **kwargs: Any) -> psycopg.Connection[dict[str, Any]]:
     """An autocommit connection returning dict rows."""
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             url, autocommit=True, row_factory=dict_row, connect_timeout=10, **kwargs
         )
+        conn.execute(_SESSION_SETUP)
+        return conn
     except (psycopg.Error, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         raise DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}") from None
@@ -53,4 +60,15 @@ def connect_migrated(url: str) -> psycopg.Connection[dict[str, Any]]:
     if migrate.pending(conn):
         applied = migrate.migrate(conn)
         print(f"pgflow: applied {len(applied)} migration(s)", file=sys.stderr)
+    return conn
+
+
+async def connect_async(url: str, name: str) -> psycopg.AsyncConnection[Any]:
+    """An autocommit connection for a replica's role ``name`` (its application_name).
+    Raises psycopg errors: the roles retry with backoff."""
+    conn = await psycopg.AsyncConnection.connect(
+        url, autocommit=True, connect_timeout=10, application_name=f"pgflow-{name}",
+        # Notice a dead peer in seconds instead of the kernel's hours (TCP only).
+        keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3)
+    await conn.execute(_SESSION_SETUP)
     return conn

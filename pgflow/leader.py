@@ -71,6 +71,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
 from pgflow import backfill
+from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
 from pgflow.scheduler import SchedulePass, run_once
@@ -89,18 +90,6 @@ BACKOFF_CAP = 5.0
 BUSY_NAP = 0.1
 # How long a standby waits for a terminated leader session to exit.
 TERMINATE_WAIT_MS = 2000
-
-_CONNECT_OPTIONS: dict[str, Any] = {
-    "autocommit": True,
-    "application_name": "pgflow-scheduler",
-    "connect_timeout": 10,
-    # Notice a dead peer in seconds instead of the kernel's hours (TCP only).
-    "keepalives": 1,
-    "keepalives_idle": 5,
-    "keepalives_interval": 2,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 15_000,
-}
 
 
 @dataclass(frozen=True)
@@ -176,7 +165,7 @@ class Leadership:
         and followed by a reconnect, never raised."""
         while not stop.is_set():
             try:
-                async with await AsyncConnection.connect(self.url, **_CONNECT_OPTIONS) as conn:
+                async with await connect_async(self.url, "scheduler") as conn:
                     await self._compete(conn, stop)
             except psycopg.Error as exc:
                 self._failures += 1

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from pgflow import backfill
 from pgflow.queries import q
 
 
@@ -103,4 +104,7 @@ async def finish(conn: psycopg.AsyncConnection[Any],
             await cur.execute(q("fail_downstreams"), {"ids": ended})
         if wake:
             await cur.execute(q("notify_queue"))
+    backfills = sorted({row["backfill_id"] for row in rows if row["backfill_id"] is not None})
+    if backfills:  # a finished backfill run frees a slot of its backfill: refill it now
+        await backfill.release(conn, backfills)
     return done

@@ -18,6 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import queue, retry
+from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.queue import Finish
 
@@ -70,7 +71,7 @@ async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any) 
     while not stop.is_set():
         try:
             if conn is None or conn.closed:
-                conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+                conn = await connect_async(url, "reaper")
             while (found := await run_once(conn)).reaped:
                 log.info("reaped expired leases", reaped=found.reaped, retried=found.retried,
                          failed=found.failed)

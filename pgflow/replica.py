@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 
 from pgflow import __version__
+from pgflow.db import connect_async
 from pgflow.queries import q
 
 ROLES = ("scheduler", "worker", "reaper", "web")
@@ -44,7 +45,7 @@ async def run_heartbeat(url: str, replica: Replica, lease_ttl: float, stop: asyn
     failures = 0
     while not stop.is_set():
         try:
-            conn = conn or await psycopg.AsyncConnection.connect(url, autocommit=True)
+            conn = conn or await connect_async(url, "replica")
             await conn.execute(q("heartbeat_replica"),
                                {**replica.params(), "stopping": stopping.is_set()})
             failures = 0

@@ -122,6 +122,9 @@ class SchedulePass:
 class _Plan:
     run_jobs: list[str] = field(default_factory=list)
     run_times: list[datetime] = field(default_factory=list)
+    # Ticks of jobs with downstream jobs: they create whole DAG runs (a slower statement).
+    dag_jobs: list[str] = field(default_factory=list)
+    dag_times: list[datetime] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     next_times: list[datetime | None] = field(default_factory=list)
     fired: int = 0
@@ -145,8 +148,12 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime) -> _Plan:
             continue
         plan.names.append(row["name"])
         plan.next_times.append(next_fire_at)
-        plan.run_jobs += [row["name"]] * len(fires)
-        plan.run_times += fires
+        if row["in_dag"]:
+            plan.dag_jobs += [row["name"]] * len(fires)
+            plan.dag_times += fires
+        else:
+            plan.run_jobs += [row["name"]] * len(fires)
+            plan.run_times += fires
         plan.fired += bool(fires)
     return plan
 
@@ -184,13 +191,15 @@ async def _one_pass(
             return 0
         plan = _plan_batch(rows, pass_now)
         created = 0
-        if plan.run_jobs:
-            await cur.execute(q("create_runs"), {
-                "jobs": plan.run_jobs, "times": plan.run_times, "trigger": "schedule",
-                "params": None, "downstream": True, "state": "queued", "priority_offset": 0,
-                "backfill_id": None,
-            })
-            created = cur.rowcount
+        for jobs, times, dag in ((plan.run_jobs, plan.run_times, False),
+                                 (plan.dag_jobs, plan.dag_times, True)):
+            if jobs:
+                await cur.execute(q("create_runs"), {
+                    "jobs": jobs, "times": times, "trigger": "schedule", "params": None,
+                    "downstream": dag, "state": "queued", "priority_offset": 0,
+                    "backfill_id": None,
+                })
+                created += cur.rowcount
         await cur.execute(q("advance_jobs"), {"names": plan.names, "times": plan.next_times})
         if created:
             await cur.execute(q("notify_queue"))

@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 
 from pgflow import queue, retry
+from pgflow.db import connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.queue import Finish
 
@@ -315,7 +316,7 @@ class Worker:
 
 
 async def _connect(url: str) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
+    return await connect_async(url, "worker")
 
 
 async def _close(conn: psycopg.AsyncConnection[Any] | None) -> None:

@@ -20,6 +20,5 @@ CREATE INDEX backfills_running_idx ON pgflow.backfills (id) WHERE state = 'runni
 
 ALTER TABLE pgflow.runs ADD COLUMN backfill_id bigint REFERENCES pgflow.backfills (id);
 CREATE INDEX runs_backfill_idx ON pgflow.runs (backfill_id, state) WHERE backfill_id IS NOT NULL;
--- Dependency evaluation finds the runs of one logical time by job (the unique key covers
--- (job, logical_time)); DAG-run views find every run of one logical time.
-CREATE INDEX runs_logical_time_idx ON pgflow.runs (logical_time);
+-- Runs of one logical time are found through the (job, logical_time) unique key: a bare
+-- logical_time index would mislead dependency checks into scanning a wide DAG run.

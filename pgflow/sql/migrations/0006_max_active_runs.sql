@@ -8,4 +8,4 @@ CREATE INDEX runs_claimable_idx ON pgflow.runs (priority DESC, available_at, id)
     WHERE state IN ('queued', 'retrying') AND NOT capped;
 CREATE INDEX runs_claimable_capped_idx ON pgflow.runs (job, priority DESC, available_at, id)
     WHERE state IN ('queued', 'retrying') AND capped;
-CREATE INDEX runs_running_job_idx ON pgflow.runs (job) WHERE state = 'running';
+CREATE INDEX runs_running_capped_idx ON pgflow.runs (job) WHERE state = 'running' AND capped;

@@ -6,17 +6,25 @@ RETURNING id
 -- name: count_backfill_ticks
 UPDATE pgflow.backfills SET ticks = %(ticks)s, skipped = %(skipped)s WHERE id = %(id)s
 
+-- name: lock_backfills
+-- Releases of one backfill take turns (the leader's top-up and workers finishing its runs).
+SELECT id FROM pgflow.backfills
+WHERE state = 'running' AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+ORDER BY id
+FOR UPDATE
+
 -- name: release_backfill_runs
--- The leader tops every running backfill up to its cap: its pending runs of the backfilled
--- job become queued, oldest logical time first, while fewer than max_concurrency of them
--- are queued, running or retrying. Only the leader runs this, so the cap holds.
+-- Top running backfills up to their cap: their pending runs of the backfilled job become
+-- queued, oldest logical time first, while fewer than max_concurrency of them are queued,
+-- running or retrying. Run it as the statement after lock_backfills (a fresh snapshot that
+-- sees every release committed before the lock), so the cap holds.
 WITH room AS (
     SELECT b.id, b.job,
            b.max_concurrency - count(r.id) AS free
     FROM pgflow.backfills b
     LEFT JOIN pgflow.runs r ON r.backfill_id = b.id AND r.job = b.job
                            AND r.state IN ('queued', 'running', 'retrying')
-    WHERE b.state = 'running'
+    WHERE b.id = ANY(%(ids)s::bigint[])
     GROUP BY b.id
 ), picked AS (
     SELECT p.id

@@ -49,7 +49,8 @@ FROM (SELECT unnest(%(jobs)s::text[]) AS job ORDER BY 1) j
 -- committed before we got the locks, so the count of running runs is exact.
 WITH room AS (
     SELECT j.name, j.max_active_runs
-               - (SELECT count(*) FROM pgflow.runs x WHERE x.job = j.name AND x.state = 'running')
+               - (SELECT count(*) FROM pgflow.runs x WHERE x.job = j.name AND x.state = 'running'
+                  AND x.capped)
                AS free
     FROM pgflow.jobs j
     WHERE j.name = ANY(%(jobs)s::text[])
@@ -116,9 +117,11 @@ WITH result AS (
         max_attempts = r.max_attempts + (res.outcome = 'interrupted')::int,
         lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
     FROM result res
-    WHERE r.id = res.id AND r.attempt = res.attempt AND r.lease_owner = res.owner
-      AND r.state = 'running'
-    RETURNING r.id, r.state, r.job, r.logical_time
+    -- IS NOT DISTINCT FROM (not indexable) keeps the planner on the primary key: with an
+    -- indexable owner test it walked runs_owner_idx once per result row.
+    WHERE r.id = res.id AND r.attempt IS NOT DISTINCT FROM res.attempt
+      AND r.lease_owner IS NOT DISTINCT FROM res.owner AND r.state = 'running'
+    RETURNING r.id, r.state, r.job, r.logical_time, r.backfill_id
 ), recorded AS (
     INSERT INTO pgflow.attempts (run_id, attempt, worker_id, started_at, finished_at, outcome,
                                  exit_code, error, stdout_tail, stderr_tail)
@@ -134,7 +137,8 @@ WITH result AS (
     ORDER BY p.id
     FOR UPDATE OF p
 )
-SELECT id, state, (SELECT array_agg(id) FROM candidates) AS candidates FROM finished
+SELECT id, state, backfill_id, (SELECT array_agg(id) FROM candidates) AS candidates
+FROM finished
 
 -- name: queue_ready_runs
 -- Pending runs whose upstreams have all succeeded at their logical time become queued.

@@ -9,8 +9,10 @@ SELECT coalesce(%(now)s::timestamptz, now()) AS now
 -- name: due_jobs
 -- Root jobs whose next tick has come, oldest first. Locked for the pass: a second
 -- scheduler skips them instead of planning the same ticks. Served by jobs_due_idx.
-SELECT name, schedule, timezone, catchup, next_fire_at
-FROM pgflow.jobs
+-- in_dag: the job has downstream jobs, so its tick starts a whole DAG run.
+SELECT name, schedule, timezone, catchup, next_fire_at,
+       EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name) AS in_dag
+FROM pgflow.jobs j
 WHERE NOT paused AND next_fire_at IS NOT NULL AND next_fire_at <= %(now)s::timestamptz
 ORDER BY next_fire_at
 LIMIT %(batch)s
