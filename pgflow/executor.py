@@ -159,6 +159,8 @@ class Execution:
             function = load_entrypoint(entrypoint)
         except Exception as exc:
             return AttemptResult(FAILED, error=f"cannot load {entrypoint}: {exc}")
+        if inspect.iscoroutinefunction(function) and self.job.timeout_s is None:
+            return await self._run_inline(function)
         if inspect.iscoroutinefunction(function):
             self._work = asyncio.ensure_future(function(self.ctx))
         else:
@@ -180,7 +182,27 @@ class Execution:
             raise
         except BaseException:
             pass
-        return _callable_result(work)
+        return _callable_result(work.exception())
+
+    async def _run_inline(self, function: Callable[..., Any]) -> AttemptResult:
+        """An async job without a timeout runs in this very task (no task per run):
+        ``stop`` cancels the task, and the cancellation is taken back here."""
+        task = asyncio.current_task()
+        self._work = task
+        if self._stop_outcome is not None:
+            return AttemptResult(self._stop_outcome)
+        try:
+            await function(self.ctx)
+        except asyncio.CancelledError:
+            if self._stop_outcome is not None and task is not None and task.cancelling():
+                task.uncancel()
+                return AttemptResult(self._stop_outcome)
+            raise
+        except Exception as exc:
+            return _callable_result(exc)
+        finally:
+            self._work = None
+        return AttemptResult(SUCCEEDED)
 
 
 def iso_utc(moment: datetime) -> str:
@@ -209,8 +231,7 @@ def _submit(threads: Executor | None, function: Callable[..., Any], ctx: Context
     return threads.submit(function, ctx)
 
 
-def _callable_result(work: asyncio.Future[Any]) -> AttemptResult:
-    exc = work.exception()
+def _callable_result(exc: BaseException | None) -> AttemptResult:
     if exc is None:
         return AttemptResult(SUCCEEDED)
     trace = "".join(traceback.format_exception(exc))[-TAIL_BYTES:]

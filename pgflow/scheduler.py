@@ -201,8 +201,6 @@ async def _one_pass(
                 })
                 created += cur.rowcount
         await cur.execute(q("advance_jobs"), {"names": plan.names, "times": plan.next_times})
-        if created:
-            await cur.execute(q("notify_queue"))
     result.jobs_due += len(rows)
     result.jobs_fired += plan.fired
     result.runs_created += created

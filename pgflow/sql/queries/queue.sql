@@ -210,11 +210,11 @@ SELECT pg_notify('pgflow_queue', '')
 -- starts a DAG run for its logical time: a requested root brings the other unpaused
 -- roots of its DAG (queued, same trigger), and every job downstream of the started
 -- jobs gets a 'pending' run that the dependency engine queues when its upstreams
--- succeed. The caller sends notify_queue in the same transaction when a queued run
--- was created.
+-- succeed. Workers are woken (pgflow_queue) when a queued run was created. A NULL time
+-- means the database's now(), to the second.
 WITH RECURSIVE input AS (
-    SELECT DISTINCT * FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[])
-        AS i(job, logical_time)
+    SELECT DISTINCT i.job, coalesce(i.logical_time, date_trunc('second', now())) AS logical_time
+    FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
 ), component(job, logical_time) AS (
     SELECT i.job, i.logical_time FROM input i
     WHERE %(downstream)s AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.job = i.job)
@@ -242,7 +242,7 @@ WITH RECURSIVE input AS (
         SELECT job, logical_time, false, true FROM closure
     ) w
     ORDER BY job, logical_time, requested DESC, pending
-)
+), inserted AS (
 INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant, priority,
                          params, backfill_id, capped)
 SELECT w.job, w.logical_time,
@@ -257,6 +257,11 @@ JOIN pgflow.jobs j ON j.name = w.job
 ORDER BY w.logical_time, w.job
 ON CONFLICT (job, logical_time) DO NOTHING
 RETURNING id, job, logical_time, state, trigger
+)
+SELECT id, job, logical_time, state, trigger,
+       -- pg_notify sends one message per transaction, however many rows call it.
+       CASE WHEN state = 'queued' THEN pg_notify('pgflow_queue', '') END AS woke
+FROM inserted
 
 -- name: failed_upstreams
 -- The failed or cancelled runs upstream of %(id)s (transitively, same logical time).
