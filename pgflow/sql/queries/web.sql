@@ -1,0 +1,214 @@
+-- The web role: API listings, admin pages, the dashboard's aggregates and the metrics
+-- scrape. Listings page by key (name or id) through an index; optional filters are
+-- `%(x)s IS NULL OR ...` (the web pool does not prepare statements, so each query is
+-- planned with its actual values).
+
+-- name: web_jobs_page
+-- One page of jobs by name after %(after)s, with each job's latest run (runs_job_idx).
+SELECT j.name, j.tenant, j.schedule, j.timezone, j.paused, j.priority, j.next_fire_at,
+       ARRAY(SELECT d.upstream FROM pgflow.job_deps d WHERE d.job = j.name ORDER BY 1)
+           AS depends_on,
+       latest.id AS latest_run_id, latest.state AS latest_state,
+       latest.logical_time AS latest_logical_time, latest.finished_at AS latest_finished_at
+FROM pgflow.jobs j
+LEFT JOIN LATERAL (
+    SELECT r.id, r.state, r.logical_time, r.finished_at FROM pgflow.runs r
+    WHERE r.job = j.name ORDER BY r.id DESC LIMIT 1
+) latest ON true
+WHERE (%(after)s::text IS NULL OR j.name > %(after)s)
+  AND (%(search)s::text IS NULL OR strpos(lower(j.name), lower(%(search)s)) > 0)
+  AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
+  AND (%(paused)s::bool IS NULL OR j.paused = %(paused)s)
+  AND (%(state)s::text IS NULL OR latest.state = %(state)s)
+ORDER BY j.name
+LIMIT %(limit)s
+
+-- name: web_jobs_count
+SELECT count(*)::int AS jobs
+FROM pgflow.jobs j
+WHERE (%(search)s::text IS NULL OR strpos(lower(j.name), lower(%(search)s)) > 0)
+  AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
+  AND (%(paused)s::bool IS NULL OR j.paused = %(paused)s)
+  AND (%(state)s::text IS NULL OR (
+      SELECT r.state FROM pgflow.runs r WHERE r.job = j.name ORDER BY r.id DESC LIMIT 1
+  ) = %(state)s)
+
+-- name: web_tenants
+-- Tenants with their job counts, and their runs waiting or running.
+SELECT t.tenant, t.jobs, t.paused,
+       coalesce(q.queued, 0)::int AS queued, coalesce(q.running, 0)::int AS running,
+       coalesce(q.pending, 0)::int AS pending, coalesce(q.retrying, 0)::int AS retrying
+FROM (SELECT tenant, count(*)::int AS jobs, count(*) FILTER (WHERE paused)::int AS paused
+      FROM pgflow.jobs GROUP BY tenant) t
+FULL JOIN (
+    SELECT tenant,
+           count(*) FILTER (WHERE state = 'queued') AS queued,
+           count(*) FILTER (WHERE state = 'running') AS running,
+           count(*) FILTER (WHERE state = 'pending') AS pending,
+           count(*) FILTER (WHERE state = 'retrying') AS retrying
+    FROM pgflow.runs WHERE state IN ('pending', 'queued', 'running', 'retrying')
+    GROUP BY tenant
+) q USING (tenant)
+ORDER BY 1
+
+-- name: web_run
+SELECT r.id, r.job, r.logical_time, r.state, r.attempt, r.max_attempts, r.trigger, r.tenant,
+       r.priority, r.params, r.available_at, r.lease_owner, r.lease_expires_at,
+       r.cancel_requested, r.acked_at, r.backfill_id, r.created_at, r.started_at,
+       r.finished_at, r.attempt_started_at, (j.name IS NOT NULL) AS job_exists
+FROM pgflow.runs r
+LEFT JOIN pgflow.jobs j ON j.name = r.job
+WHERE r.id = %(id)s
+
+-- name: web_runs_by_job
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE job = %(job)s
+  AND id < %(before_id)s
+  AND (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: web_runs_by_state
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE state = %(state)s
+  AND id < %(before_id)s
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: web_runs_all
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE id < %(before_id)s
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: web_job_history
+-- The job's latest %(runs)s runs by state, and their finished attempts' durations
+-- (runs_job_idx, then the attempts' primary key).
+WITH recent AS (
+    SELECT id, state FROM pgflow.runs WHERE job = %(job)s ORDER BY id DESC LIMIT %(runs)s
+)
+SELECT (SELECT coalesce(jsonb_object_agg(state, n), '{}')
+        FROM (SELECT state, count(*) AS n FROM recent GROUP BY state) s) AS states,
+       (SELECT coalesce(array_agg(extract(epoch FROM a.finished_at - a.started_at)::float8
+                                  ORDER BY a.finished_at), '{}')
+        FROM recent r JOIN pgflow.attempts a ON a.run_id = r.id
+        WHERE a.outcome = 'succeeded') AS durations,
+       (SELECT count(*) FROM recent r JOIN pgflow.attempts a ON a.run_id = r.id
+        WHERE a.outcome <> 'succeeded')::int AS failed_attempts
+
+-- name: web_dag_edges
+SELECT upstream, job FROM pgflow.job_deps
+WHERE job = ANY(%(jobs)s::text[]) AND upstream = ANY(%(jobs)s::text[])
+ORDER BY upstream, job
+
+-- name: web_dashboard
+-- Everything the dashboard shows, in one statement: queue depth, dead letters, the
+-- oldest claimable run, replicas and leader, open breakers, and runs finished per
+-- minute since %(since)s (runs_finished_idx; the caller keeps older minutes).
+SELECT now() AS now,
+       (SELECT coalesce(jsonb_agg(d ORDER BY d.state, d.tenant), '[]')
+        FROM (SELECT state, tenant, count(*)::int AS runs FROM pgflow.runs
+              WHERE state IN ('pending', 'queued', 'running', 'retrying')
+              GROUP BY state, tenant) d) AS depth,
+       (SELECT count(*)::int FROM pgflow.runs WHERE state = 'failed' AND acked_at IS NULL)
+           AS dead_letters,
+       (SELECT extract(epoch FROM now() - min(available_at))::float8 FROM pgflow.runs
+        WHERE state IN ('queued', 'retrying') AND available_at <= now()) AS oldest_waiting_s,
+       (SELECT coalesce(jsonb_agg(x ORDER BY x.id), '[]')
+        FROM (SELECT id, host, pid, roles, concurrency, stopping,
+                     extract(epoch FROM now() - heartbeat_at)::float8 AS heartbeat_age_s,
+                     extract(epoch FROM now() - started_at)::float8 AS uptime_s
+              FROM pgflow.replicas) x) AS replicas,
+       (SELECT to_jsonb(l) FROM (
+            SELECT replica_id, term, extract(epoch FROM now() - heartbeat_at)::float8
+                   AS heartbeat_age_s
+            FROM pgflow.leader) l) AS leader,
+       ARRAY(SELECT source FROM pgflow.breakers WHERE state = 'open' ORDER BY source)
+           AS open_breakers,
+       (SELECT coalesce(jsonb_agg(m ORDER BY m.minute), '[]')
+        FROM (SELECT extract(epoch FROM date_trunc('minute', finished_at))::bigint AS minute,
+                     count(*)::int AS finished,
+                     count(*) FILTER (WHERE state = 'succeeded')::int AS succeeded,
+                     count(*) FILTER (WHERE state = 'failed')::int AS failed
+              FROM pgflow.runs
+              WHERE finished_at >= coalesce(%(since)s::timestamptz, now() - interval '24 hours')
+                AND finished_at IS NOT NULL
+              GROUP BY 1) m) AS minutes
+
+-- name: metrics_scrape
+-- One statement per Prometheus scrape. Gauges are read as they are; counters and
+-- histograms take the events of [%(since)s, upper): upper lags now() by %(settle)s
+-- seconds so that rows stamped with a transaction's start time have committed
+-- before their interval is read (each event is counted once, by the scrape whose
+-- interval holds it). Durations bucket with width_bucket over negated bounds, which
+-- counts the bounds >= a value: Prometheus' "le" (value <= bound) semantics.
+WITH bounds AS (
+    SELECT now() - make_interval(secs => %(settle)s) AS upper
+)
+SELECT (SELECT upper FROM bounds) AS upper,
+       (SELECT coalesce(jsonb_agg(d), '[]')
+        FROM (SELECT state, tenant, count(*)::int AS runs FROM pgflow.runs
+              WHERE state IN ('pending', 'queued', 'running', 'retrying')
+              GROUP BY state, tenant) d) AS depth,
+       (SELECT count(*)::int FROM pgflow.runs WHERE state = 'failed' AND acked_at IS NULL)
+           AS dead_letters,
+       (SELECT coalesce(extract(epoch FROM now() - min(available_at)), 0)::float8
+        FROM pgflow.runs
+        WHERE state IN ('queued', 'retrying') AND available_at <= now()) AS oldest_waiting_s,
+       (SELECT count(*) FILTER (WHERE heartbeat_at > now() - make_interval(secs => %(alive_s)s))
+        FROM pgflow.replicas)::int AS replicas_alive,
+       (SELECT count(*) FROM pgflow.replicas)::int AS replicas_total,
+       (SELECT to_jsonb(l) FROM (
+            SELECT replica_id, term, extract(epoch FROM now() - heartbeat_at)::float8
+                   AS heartbeat_age_s
+            FROM pgflow.leader) l) AS leader,
+       ARRAY(SELECT source FROM pgflow.breakers WHERE state = 'open' ORDER BY source)
+           AS open_breakers,
+       (SELECT coalesce(jsonb_agg(f), '[]')
+        FROM (SELECT job, tenant, state AS outcome, count(*)::int AS n
+              FROM pgflow.runs, bounds
+              WHERE finished_at >= %(since)s AND finished_at < bounds.upper
+              GROUP BY job, tenant, state) f) AS finished,
+       (SELECT coalesce(jsonb_agg(a), '[]')
+        FROM (SELECT r.job, a.outcome, count(*)::int AS n,
+                     width_bucket(-extract(epoch FROM a.finished_at - a.started_at)::float8,
+                                  %(neg_bounds)s::float8[]) AS bucket,
+                     sum(extract(epoch FROM a.finished_at - a.started_at))::float8 AS seconds
+              FROM pgflow.attempts a
+              JOIN pgflow.runs r ON r.id = a.run_id, bounds
+              WHERE a.finished_at >= %(since)s AND a.finished_at < bounds.upper
+              GROUP BY r.job, a.outcome, bucket) a) AS attempts,
+       (SELECT coalesce(jsonb_agg(s), '[]')
+        FROM (SELECT count(*)::int AS n,
+                     width_bucket(-greatest(extract(epoch FROM started_at - logical_time), 0)
+                                  ::float8, %(neg_lag_bounds)s::float8[]) AS bucket,
+                     sum(greatest(extract(epoch FROM started_at - logical_time), 0))::float8
+                         AS seconds
+              FROM pgflow.runs, bounds
+              WHERE trigger = 'schedule' AND started_at IS NOT NULL
+                AND started_at >= %(since)s AND started_at < bounds.upper
+              GROUP BY bucket) s) AS lags
+
+-- name: web_tenant_names
+SELECT DISTINCT tenant FROM pgflow.jobs ORDER BY 1
+
+-- name: web_now
+SELECT now() AS now

@@ -1,0 +1,278 @@
+"""The JSON API's request and response bodies (pydantic), and their OpenAPI schemas.
+
+Requests are validated strictly (``model_validate_json(..., strict=True)``): what
+the JSON Schema in ``/api/v1/openapi.json`` rejects, the server rejects too, so a
+fuzzer's "wrong type" bodies get a 422 instead of being coerced.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
+
+from pgflow.runs import RUN_STATES
+from pgflow.spec import NAME_PATTERN
+
+RunState = Literal["pending", "queued", "running", "retrying", "succeeded", "failed",
+                   "cancelled", "upstream_failed"]
+Trigger = Literal["schedule", "manual", "dependency", "backfill"]
+Outcome = Literal["succeeded", "failed", "timed_out", "lost", "cancelled", "interrupted"]
+assert set(RunState.__args__) == set(RUN_STATES)  # type: ignore[attr-defined]
+
+NEXT_CURSOR = "Pass as ?cursor= for the next page; null at the end."
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=NAME_PATTERN)]
+
+
+def _storable(value: datetime) -> datetime:
+    """Naive means UTC; the instant must fit in years 1..9999 once in UTC (what the
+    database round-trips)."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=UTC)
+    try:
+        value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("is out of range once converted to UTC") from None
+    return value
+
+
+_LAX_TIME: TypeAdapter[datetime] = TypeAdapter(datetime)
+ISO_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}")
+
+
+def _iso_only(value: Any) -> Any:
+    """ISO 8601 text only (no numbers of seconds), parsed here: strict mode then takes
+    the datetime as it is."""
+    if isinstance(value, str):
+        if not ISO_TIME.match(value):
+            raise ValueError("expected an ISO 8601 time such as 2026-01-31T12:00:00Z")
+        return _LAX_TIME.validate_python(value)
+    return value
+
+
+Instant = Annotated[datetime, BeforeValidator(_iso_only), AfterValidator(_storable)]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class ErrorDetail(_Out):
+    field: str | None = Field(description="The offending field (dotted path), if any.")
+    message: str
+
+
+class Error(_Out):
+    """Every error response: a one-line summary and, for invalid input, each problem."""
+
+    error: str
+    detail: list[ErrorDetail] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------- jobs
+
+
+class JobSummary(_Out):
+    name: str
+    tenant: str
+    schedule: str | None
+    timezone: str
+    paused: bool
+    priority: int
+    next_fire_at: datetime | None
+    depends_on: list[str]
+    latest_run_id: int | None = None
+    latest_state: RunState | None = None
+
+
+class JobList(_Out):
+    items: list[JobSummary]
+    next_cursor: str | None = Field(description=NEXT_CURSOR)
+
+
+class Job(_Out):
+    name: str
+    tenant: str
+    schedule: str | None
+    timezone: str
+    paused: bool
+    next_fire_at: datetime | None
+    depends_on: list[str]
+    downstream: list[str]
+    definition: dict[str, Any] = Field(description="The definition as registered (SPEC §3).")
+    created_at: datetime
+    updated_at: datetime
+
+
+class JobApplied(_Out):
+    result: Literal["created", "updated", "unchanged"]
+    job: Job
+
+
+class JobDeleted(_Out):
+    name: str
+    deleted: bool = True
+
+
+# ---------------------------------------------------------------- runs
+
+
+class Run(_Out):
+    id: int
+    job: str
+    logical_time: datetime
+    state: RunState
+    attempt: int
+    max_attempts: int
+    trigger: Trigger
+    tenant: str
+    priority: int
+    cancel_requested: bool
+    acked_at: datetime | None
+    backfill_id: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class RunList(_Out):
+    items: list[Run]
+    next_cursor: str | None = Field(description=NEXT_CURSOR)
+
+
+class Attempt(_Out):
+    attempt: int
+    worker_id: str
+    started_at: datetime
+    finished_at: datetime | None
+    outcome: Outcome | None = Field(description="null while the attempt is running.")
+    exit_code: int | None
+    error: str | None
+    stdout_tail: str | None
+    stderr_tail: str | None
+
+
+class RunDetail(Run):
+    params: dict[str, Any]
+    available_at: datetime
+    lease_owner: str | None
+    lease_expires_at: datetime | None
+    job_exists: bool
+    attempts: list[Attempt]
+
+
+class TriggerRequest(_In):
+    logical_time: Instant | None = Field(
+        default=None, description="The time the run is for (naive = UTC; default: now).")
+    params: dict[str, Any] | None = Field(default=None, description="Merged over the job's params.")
+    downstream: bool = Field(default=True, description="Start the job's downstream DAG run too.")
+
+
+# ---------------------------------------------------------------- backfills
+
+
+class Backfill(_Out):
+    id: int
+    job: str
+    range_start: datetime
+    range_end: datetime
+    max_concurrency: int
+    downstream: bool
+    state: Literal["running", "completed", "cancelled"]
+    ticks: int
+    skipped: int
+    created_at: datetime
+    finished_at: datetime | None
+    counts: dict[str, int] = Field(description="Runs of this backfill by state.")
+
+
+class BackfillList(_Out):
+    items: list[Backfill]
+
+
+class BackfillRequest(_In):
+    job: Name
+    start: Instant = Field(description="First logical time (inclusive).")
+    end: Instant = Field(description="Last logical time (exclusive).")
+    max_concurrency: int = Field(default=2, ge=1, le=10_000)
+    downstream: bool = False
+
+
+# ---------------------------------------------------------------- breakers
+
+
+class Breaker(_Out):
+    source: str
+    state: Literal["open", "closed"]
+    reason: str | None
+    changed_at: datetime | None
+    changed_by: str | None
+    jobs: int = Field(description="Jobs that list this source.")
+
+
+class BreakerList(_Out):
+    items: list[Breaker]
+
+
+class BreakerChange(_In):
+    reason: str | None = Field(default=None, max_length=1000)
+
+
+# ---------------------------------------------------------------- status
+
+
+class Replica(_Out):
+    id: str
+    host: str
+    pid: int
+    roles: list[str]
+    version: str
+    concurrency: int
+    stopping: bool
+    started_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age_s: float
+    alive: bool
+
+
+class Leader(_Out):
+    replica_id: str
+    term: int
+    elected_at: datetime
+    heartbeat_at: datetime
+    heartbeat_age_s: float
+    stale: bool
+
+
+class Depth(_Out):
+    state: RunState
+    tenant: str
+    runs: int
+
+
+class Queue(_Out):
+    by_state: dict[str, int]
+    by_tenant: list[Depth]
+    dead_letters: int
+
+
+class Status(_Out):
+    replicas: list[Replica]
+    leader: Leader | None
+    queue: Queue
+    open_breakers: list[str]
+
+
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    Error, JobList, Job, JobApplied, JobDeleted, RunList, Run, RunDetail, BackfillList, Backfill,
+    BreakerList, Breaker, Status)
