@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pgflow import reaper
+from pgflow.config import Settings
+from pgflow.errors import PgflowError
 from pgflow.leader import run_scheduler
 from pgflow.log import get_logger
 from pgflow.replica import Replica, run_heartbeat
+from pgflow.web import run_web
 from pgflow.worker import Worker
 
 
@@ -34,7 +37,7 @@ class ServeOptions:
     grace: float
     lease_ttl: float
     bind: str
-    settings: Any = None
+    settings: Settings
 
 
 def serve(options: ServeOptions) -> None:
@@ -62,6 +65,11 @@ async def _serve(options: ServeOptions) -> None:
     if "reaper" in options.roles:
         tasks.append(_supervised("reaper", lambda: reaper.run_reaper(
             options.url, options.lease_ttl, stop, log), stop, log))
+    if "web" in options.roles:
+        web = _supervised("web", lambda: run_web(
+            options.url, options.settings, options.bind, stop, log), stop, log)
+        web.add_done_callback(lambda task: _web_ended(task, shutdown, log))
+        tasks.append(web)
     if "worker" in options.roles:
         worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
         worker.start()
@@ -80,6 +88,14 @@ async def _serve(options: ServeOptions) -> None:
     log.info("replica stopped")
 
 
+def _web_ended(task: asyncio.Task[None], shutdown: asyncio.Event, log: Any) -> None:
+    """The web role cannot start (port taken, public bind refused): stop the replica
+    rather than run on without the UI it was asked to serve."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("web role failed; stopping the replica", error=str(task.exception()))
+        shutdown.set()
+
+
 def _supervised(name: str, role: Callable[[], Awaitable[None]], stop: asyncio.Event,
                 log: Any) -> asyncio.Task[None]:
     """Run a role until ``stop``; roles handle database errors themselves, and anything else
@@ -90,8 +106,8 @@ def _supervised(name: str, role: Callable[[], Awaitable[None]], stop: asyncio.Ev
             try:
                 await role()
                 return
-            except asyncio.CancelledError:
-                raise
+            except (asyncio.CancelledError, PgflowError):
+                raise  # a PgflowError is a setup problem (port taken...): restarting won't help
             except Exception:
                 log.exception("role failed; restarting it", role=name)
                 with contextlib.suppress(TimeoutError):
