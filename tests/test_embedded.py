@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import time
 import shutil
 import signal
 import stat
@@ -149,6 +150,10 @@ def test_second_ensure_running_reuses_the_server(shared: Cluster) -> None:
     assert shared.ensure_running() == shared.url
     assert pid is not None
     assert shared.postmaster_pid() == pid
+    # Backends orphaned by an earlier test's kill() may take a moment to exit.
+    deadline = time.monotonic() + 10
+    while _postmasters(shared.data_dir) != [pid] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _postmasters(shared.data_dir) == [pid]
 
 
