@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
-import time
 import shutil
 import signal
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
