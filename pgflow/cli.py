@@ -473,33 +473,47 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: int, bind: str 
 # ---------------------------------------------------------------- backfill
 
 
-@cli.group("backfill", invoke_without_command=True)
-@click.argument("name", required=False)
+BACKFILL_COLUMNS = ["id", "job", "range_start", "range_end", "max_concurrency", "state",
+                    "ticks", "skipped", "progress"]
+
+
+@cli.command("backfill")
+@click.argument("target", metavar="NAME|list|show|cancel")
+@click.argument("backfill_id", metavar="[ID]", required=False, type=int)
 @click.option("--start", callback=_parse_logical_time, help="First logical time (inclusive).")
 @click.option("--end", callback=_parse_logical_time, help="Last logical time (exclusive).")
 @click.option("--max-concurrency", type=click.IntRange(1, 10_000), default=2, show_default=True,
               help="Runs of this backfill running at once.")
 @click.option("--downstream", is_flag=True, help="Also run the job's downstream jobs.")
 @json_option
-@click.pass_context
-def backfill_group(click_ctx: click.Context, name: str | None, start: datetime | None,
-                   end: datetime | None, max_concurrency: int, downstream: bool,
-                   as_json: bool) -> None:
-    """Re-run a job for every tick in [--start, --end); or list|show|cancel backfills."""
-    if click_ctx.invoked_subcommand is not None:
-        if name is not None:
-            raise click.UsageError("give either a job NAME or a subcommand, not both")
+@pass_ctx
+def backfill_command(ctx: Ctx, target: str, backfill_id: int | None, start: datetime | None,
+                     end: datetime | None, max_concurrency: int, downstream: bool,
+                     as_json: bool) -> None:
+    """Re-run job NAME for every tick in [--start, --end); or list, show ID, cancel ID.
+
+    With --start/--end, TARGET is always a job name (even a job named 'list').
+    """
+    creating = start is not None or end is not None
+    if not creating and target in ("list", "show", "cancel"):
+        _backfill_action(ctx, target, backfill_id, as_json)
         return
-    if name is None or start is None or end is None:
+    if start is None or end is None:
         raise click.UsageError("backfill needs NAME --start ISO --end ISO"
-                               " (or one of: list, show ID, cancel ID)")
+                               " (or: backfill list | show ID | cancel ID)")
+    if backfill_id is not None:
+        raise click.UsageError(f"unexpected argument {backfill_id} after the job name")
+    _backfill_create(ctx, target, start, end, max_concurrency, downstream, as_json)
+
+
+def _backfill_create(ctx: Ctx, name: str, start: datetime, end: datetime,
+                     max_concurrency: int, downstream: bool, as_json: bool) -> None:
     from pgflow import backfill
 
-    ctx: Ctx = click_ctx.obj
     conn = ctx.conn()
     job = _job(ctx, name)
-    ticks = backfill.plan_ticks(job["schedule"] or "", job["timezone"], start, end) \
-        if job["schedule"] else []
+    ticks = (backfill.plan_ticks(job["schedule"], job["timezone"], start, end)
+             if job["schedule"] else [])
     with click.progressbar(length=max(len(ticks), 1), label=f"backfilling {name}",
                            file=sys.stderr, show_pos=True) as bar:
         made = backfill.create(conn, name, start, end, max_concurrency=max_concurrency,
@@ -511,58 +525,37 @@ def backfill_group(click_ctx: click.Context, name: str | None, start: datetime |
                    f" {made['skipped']} tick(s) skipped (already had a run)")
 
 
-BACKFILL_COLUMNS = ["id", "job", "range_start", "range_end", "max_concurrency", "state",
-                    "ticks", "skipped", "progress"]
-
-
-def _with_progress(row: dict[str, Any]) -> dict[str, Any]:
-    counts = row["counts"]
-    done = sum(counts.get(s, 0) for s in ("succeeded", "failed", "cancelled", "upstream_failed"))
-    return {**row, "progress": f"{done}/{sum(counts.values())}"}
-
-
-@backfill_group.command("list")
-@json_option
-@pass_ctx
-def backfill_list(ctx: Ctx, as_json: bool) -> None:
-    """List backfills, newest first, with progress."""
+def _backfill_action(ctx: Ctx, action: str, backfill_id: int | None, as_json: bool) -> None:
     from pgflow import backfill
 
-    rows = [_with_progress(r) for r in backfill.list_backfills(ctx.conn())]
-    if as_json:
-        emit_json(rows)
-    else:
-        emit_table(rows, BACKFILL_COLUMNS)
-
-
-@backfill_group.command("show")
-@click.argument("backfill_id", type=int)
-@json_option
-@pass_ctx
-def backfill_show(ctx: Ctx, backfill_id: int, as_json: bool) -> None:
-    """Show one backfill and its runs by state."""
-    from pgflow import backfill
-
+    if action == "list":
+        rows = [_with_progress(r) for r in backfill.list_backfills(ctx.conn())]
+        if as_json:
+            emit_json(rows)
+        else:
+            emit_table(rows, BACKFILL_COLUMNS)
+        return
+    if backfill_id is None:
+        raise click.UsageError(f"backfill {action} needs an ID (see 'pgflow backfill list')")
+    if action == "cancel":
+        result = backfill.cancel(ctx.conn(), backfill_id)
+        click.echo(f"backfill {backfill_id} cancelled: {result['cancelled']} run(s) cancelled,"
+                   f" {result['stopping']} running run(s) asked to stop")
+        return
     row = _with_progress(backfill.show(ctx.conn(), backfill_id))
     if as_json:
         emit_json(row)
         return
     for key in [*BACKFILL_COLUMNS, "downstream", "created_at", "finished_at"]:
         click.echo(f"{key + ':':<16} {row[key] if row[key] is not None else '-'}")
-    click.echo("runs:           " + (", ".join(f"{k} {v}" for k, v in sorted(
-        row["counts"].items())) or "-"))
+    click.echo("runs:           " + (", ".join(
+        f"{k} {v}" for k, v in sorted(row["counts"].items())) or "-"))
 
 
-@backfill_group.command("cancel")
-@click.argument("backfill_id", type=int)
-@pass_ctx
-def backfill_cancel(ctx: Ctx, backfill_id: int) -> None:
-    """Cancel a backfill: its unstarted runs are cancelled, running ones stopped."""
-    from pgflow import backfill
-
-    result = backfill.cancel(ctx.conn(), backfill_id)
-    click.echo(f"backfill {backfill_id} cancelled: {result['cancelled']} run(s) cancelled,"
-               f" {result['stopping']} running run(s) asked to stop")
+def _with_progress(row: dict[str, Any]) -> dict[str, Any]:
+    counts = row["counts"]
+    done = sum(counts.get(s, 0) for s in ("succeeded", "failed", "cancelled", "upstream_failed"))
+    return {**row, "progress": f"{done}/{sum(counts.values())}"}
 
 
 # ---------------------------------------------------------------- tokens

@@ -113,3 +113,33 @@ def test_lineage_and_dag_run(conn: Conn) -> None:
     assert graph["edges"] == [{"upstream": "a", "job": "b"}, {"upstream": "b", "job": "c"}]
     runs = lineage.dag_run(conn, "c", START)
     assert sorted(r["job"] for r in runs) == ["a", "b", "c", "x"]
+
+
+def test_backfill_cli_spec_form(conn: Conn, db_url: str, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from pgflow.cli import run
+
+    monkeypatch.setenv("PGFLOW_DATABASE_URL", db_url)
+    add_job(conn, "daily", entrypoint="jobfuncs:noop", schedule="0 0 * * *")
+    assert run(["backfill", "daily", "--start", "2026-01-01", "--end", "2026-01-11",
+                "--max-concurrency", "3"]) == 0
+    assert capsys.readouterr().out == "backfill 1: 10 run(s) created, 0 tick(s) skipped" \
+        " (already had a run)\n"
+    assert run(["backfill", "daily", "--start", "2026-01-05", "--end", "2026-01-12",
+                "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skipped"] == 6
+    assert run(["backfill", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(b["id"], b["max_concurrency"], b["progress"]) for b in listed] == [
+        (2, 2, "0/1"), (1, 3, "0/10")]
+    assert run(["backfill", "show", "1"]) == 0
+    assert "pending 10" in capsys.readouterr().out
+    assert run(["backfill", "cancel", "1"]) == 0
+    assert "10 run(s) cancelled" in capsys.readouterr().out
+    assert run(["backfill", "show"]) == 2
+    assert "needs an ID" in capsys.readouterr().err
+    assert run(["backfill", "daily"]) == 2
+    assert run(["backfill", "daily", "--start", "2026-02-01", "--end", "2026-01-01"]) == 1
+    assert capsys.readouterr().err.strip().endswith("--start must be before --end")
