@@ -59,17 +59,6 @@ def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float 
         time.sleep(interval)
 
 
-async def async_wait_for(condition: Callable[[], T], timeout: float = 20.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(0.05)
-
-
 class WorkerThread:
     """A Worker on its own event loop in a thread, so tests stay synchronous."""
 
