@@ -37,7 +37,7 @@ def redact(url: str) -> str:
 
 # pgflow's statements are short OLTP statements, but the row estimates of the recursive
 # DAG queries can pass jit_above_cost, and compiling then costs about a second each.
-_SESSION_SETUP = "SET jit = off"
+SESSION_SETUP = "SET jit = off"
 
 
 def connect(url: str, **kwargs: Any) -> psycopg.Connection[dict[str, Any]]:
@@ -46,7 +46,7 @@ def connect(url: str, **kwargs: Any) -> psycopg.Connection[dict[str, Any]]:
         conn = psycopg.connect(
             url, autocommit=True, row_factory=dict_row, connect_timeout=10, **kwargs
         )
-        conn.execute(_SESSION_SETUP)
+        conn.execute(SESSION_SETUP)
         return conn
     except (psycopg.Error, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
@@ -70,5 +70,5 @@ async def connect_async(url: str, name: str) -> psycopg.AsyncConnection[Any]:
         url, autocommit=True, connect_timeout=10, application_name=f"pgflow-{name}",
         # Notice a dead peer in seconds instead of the kernel's hours (TCP only).
         keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3)
-    await conn.execute(_SESSION_SETUP)
+    await conn.execute(SESSION_SETUP)
     return conn

@@ -52,6 +52,14 @@ def trigger(
     if logical_time is not None and logical_time.tzinfo is None:
         logical_time = logical_time.replace(tzinfo=UTC)
     # One statement (it also wakes the workers): the trigger is on the latency path.
+    if downstream:
+        lone = conn.execute(q("create_lone_run"), {
+            "job": job, "time": logical_time,
+            "params": None if params is None else Jsonb(params)}).fetchone()
+        if lone is not None and lone["lone"]:
+            if lone["id"] is None:
+                raise _trigger_refusal(conn, job, logical_time or _db_second(conn))
+            return int(lone["id"])
     rows = conn.execute(q("create_runs"), {
         "jobs": [job], "times": [logical_time], "trigger": "manual",
         "params": None if params is None else Jsonb(params), "downstream": downstream,

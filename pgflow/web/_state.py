@@ -16,6 +16,7 @@ from psycopg_pool import ConnectionPool
 from starlette.requests import Request
 
 from pgflow.config import Settings
+from pgflow.db import SESSION_SETUP
 from pgflow.metrics import Metrics
 from pgflow.web.auth import Signer
 
@@ -51,13 +52,17 @@ class TtlCache:
             return value
 
 
+def _configure(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(SESSION_SETUP)
+
+
 def new_pool(url: str, max_size: int = 10) -> ConnectionPool[Any]:
     """Autocommit dict-row connections, checked on checkout (a restarted database costs
     one failed check, not one failed request). Statements are not prepared: listings
     with optional filters then get a plan for their actual values every time."""
     return ConnectionPool(
         url, min_size=1, max_size=max_size, open=False, timeout=5.0, name="pgflow-web",
-        check=ConnectionPool.check_connection,
+        check=ConnectionPool.check_connection, configure=_configure,
         kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None,
                 "connect_timeout": 5, "application_name": "pgflow-web"})
 

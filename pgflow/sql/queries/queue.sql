@@ -275,3 +275,25 @@ FROM ups u
 JOIN pgflow.runs r ON r.job = u.job AND r.logical_time = u.logical_time
 WHERE r.state IN ('failed', 'cancelled') AND r.id <> %(id)s
 ORDER BY r.id
+
+-- name: create_lone_run
+-- The fast path of a manual trigger, for a job with no downstream jobs (its DAG run is
+-- the run itself): one plain INSERT that also wakes the workers. lone = 0 means the job
+-- is unknown or has downstream jobs: the caller then uses create_runs.
+WITH lone AS (
+    SELECT j.* FROM pgflow.jobs j
+    WHERE j.name = %(job)s
+      AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
+), inserted AS (
+    INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,
+                             priority, params, capped)
+    SELECT name, coalesce(%(time)s::timestamptz, date_trunc('second', now())), 'queued',
+           max_attempts, 'manual', tenant, priority,
+           params || coalesce(%(params)s::jsonb, '{}'), max_active_runs IS NOT NULL
+    FROM lone
+    ON CONFLICT (job, logical_time) DO NOTHING
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM lone) AS lone, id,
+       CASE WHEN id IS NOT NULL THEN pg_notify('pgflow_queue', '') END AS woke
+FROM (SELECT 1) one LEFT JOIN inserted ON true
