@@ -29,3 +29,20 @@ def configure(level: str = "info") -> None:
 
 def get_logger(**bound: Any) -> Any:
     return structlog.get_logger("pgflow").bind(**bound)
+
+
+class LazyLogger:
+    """A logger bound to ``fields`` only when first used: most runs never log, and
+    binding costs more than the rest of a no-op run's bookkeeping."""
+
+    __slots__ = ("_base", "_bound", "_fields")
+
+    def __init__(self, base: Any, **fields: Any) -> None:
+        self._base = base
+        self._fields = fields
+        self._bound: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._bound is None:
+            self._bound = self._base.bind(**self._fields)
+        return getattr(self._bound, name)

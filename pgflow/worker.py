@@ -34,10 +34,12 @@ import psycopg
 from pgflow import queue, retry
 from pgflow.db import connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
+from pgflow.log import LazyLogger
 from pgflow.queue import Finish
 
 POLL_S = 1.0
 CAPPED_CHECK_S = 0.5
+_SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
 MAX_FLUSH = 5000
 
@@ -161,7 +163,7 @@ class Worker:
         job = Job(run_id=row["id"], job=row["job"], logical_time=row["logical_time"],
                   attempt=row["attempt"], params=row["params"], command=row["command"],
                   entrypoint=row["entrypoint"], timeout_s=row["timeout_s"])
-        log = self.log.bind(run_id=job.run_id, job=job.job, attempt=job.attempt)
+        log = LazyLogger(self.log, run_id=job.run_id, job=job.job, attempt=job.attempt)
         held = Held(row, Execution(job, log, self._threads), time.monotonic())
         if row["cancel_requested"]:
             held.execution.stop(retry.CANCELLED)
@@ -187,12 +189,16 @@ class Worker:
         self._flush.set()
 
     def _finish_for(self, row: dict[str, Any], result: AttemptResult) -> Finish:
-        policy = None
-        if row["backoff_s"] is not None:
-            policy = retry.Policy(row["max_attempts"], row["backoff_s"], row["max_backoff_s"],
-                                  row["jitter"], row["no_retry_exit_codes"])
-        decision = retry.decide(result.outcome, row["attempt"], row["max_attempts"], policy,
-                                exit_code=result.exit_code, permanent=result.permanent)
+        if result.outcome == retry.SUCCEEDED:  # the common case, kept cheap
+            decision = _SUCCEEDED
+        else:
+            policy = None
+            if row["backoff_s"] is not None:
+                policy = retry.Policy(row["max_attempts"], row["backoff_s"],
+                                      row["max_backoff_s"], row["jitter"],
+                                      row["no_retry_exit_codes"])
+            decision = retry.decide(result.outcome, row["attempt"], row["max_attempts"], policy,
+                                    exit_code=result.exit_code, permanent=result.permanent)
         return Finish(run_id=row["id"], attempt=row["attempt"], owner=self.id,
                       state=decision.state, outcome=result.outcome,
                       started_at=row["attempt_started_at"], delay_s=decision.delay_s,
@@ -229,15 +235,15 @@ class Worker:
                     self._report(finish, done.get(finish.run_id))
 
     def _report(self, finish: Finish, state: str | None) -> None:
-        log = self.log.bind(run_id=finish.run_id, attempt=finish.attempt)
+        fields = {"run_id": finish.run_id, "attempt": finish.attempt, "outcome": finish.outcome}
         if state is None:
-            log.warning("lease lost before the result was recorded: result discarded",
-                        outcome=finish.outcome)
+            self.log.warning("lease lost before the result was recorded: result discarded",
+                             **fields)
         elif finish.outcome == retry.SUCCEEDED:
-            log.debug("attempt finished", outcome=finish.outcome, state=state)
+            self.log.debug("attempt finished", state=state, **fields)
         else:
-            log.info("attempt finished", outcome=finish.outcome, state=state,
-                     exit_code=finish.exit_code, error=finish.error)
+            self.log.info("attempt finished", state=state, exit_code=finish.exit_code,
+                          error=finish.error, **fields)
 
     async def _flush_until_empty(self, deadline: float) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
