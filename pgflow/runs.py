@@ -51,19 +51,17 @@ def trigger(
     """
     if logical_time is not None and logical_time.tzinfo is None:
         logical_time = logical_time.replace(tzinfo=UTC)
-    # One statement (it also wakes the workers): the trigger is on the latency path.
-    if downstream:
-        lone = conn.execute(q("create_lone_run"), {
-            "job": job, "time": logical_time,
-            "params": None if params is None else Jsonb(params)}).fetchone()
-        if lone is not None and lone["lone"]:
-            if lone["id"] is None:
-                raise _trigger_refusal(conn, job, logical_time or _db_second(conn))
-            return int(lone["id"])
+    # A job without downstream jobs takes one plain INSERT: the trigger is on the
+    # latency path. Others (and refusals) go through the DAG-run statement.
+    params_json = None if params is None else Jsonb(params)
+    plain = conn.execute(q("create_plain_runs"), {
+        "jobs": [job], "times": [logical_time], "trigger": "manual", "params": params_json,
+        "only_lone": downstream}).fetchone()
+    if plain is not None:
+        return int(plain["id"])
     rows = conn.execute(q("create_runs"), {
-        "jobs": [job], "times": [logical_time], "trigger": "manual",
-        "params": None if params is None else Jsonb(params), "downstream": downstream,
-        "state": "queued", "priority_offset": 0, "backfill_id": None,
+        "jobs": [job], "times": [logical_time], "trigger": "manual", "params": params_json,
+        "downstream": downstream, "state": "queued", "priority_offset": 0, "backfill_id": None,
     }).fetchall()
     created = next((row for row in rows if row["job"] == job), None)
     if created is None:

@@ -191,15 +191,17 @@ async def _one_pass(
             return 0
         plan = _plan_batch(rows, pass_now)
         created = 0
-        for jobs, times, dag in ((plan.run_jobs, plan.run_times, False),
-                                 (plan.dag_jobs, plan.dag_times, True)):
-            if jobs:
-                await cur.execute(q("create_runs"), {
-                    "jobs": jobs, "times": times, "trigger": "schedule", "params": None,
-                    "downstream": dag, "state": "queued", "priority_offset": 0,
-                    "backfill_id": None,
-                })
-                created += cur.rowcount
+        if plan.run_jobs:
+            await cur.execute(q("create_plain_runs"), {
+                "jobs": plan.run_jobs, "times": plan.run_times, "trigger": "schedule",
+                "params": None, "only_lone": False})
+            created += cur.rowcount
+        if plan.dag_jobs:
+            await cur.execute(q("create_runs"), {
+                "jobs": plan.dag_jobs, "times": plan.dag_times, "trigger": "schedule",
+                "params": None, "downstream": True, "state": "queued", "priority_offset": 0,
+                "backfill_id": None})
+            created += cur.rowcount
         await cur.execute(q("advance_jobs"), {"names": plan.names, "times": plan.next_times})
     result.jobs_due += len(rows)
     result.jobs_fired += plan.fired

@@ -276,24 +276,24 @@ JOIN pgflow.runs r ON r.job = u.job AND r.logical_time = u.logical_time
 WHERE r.state IN ('failed', 'cancelled') AND r.id <> %(id)s
 ORDER BY r.id
 
--- name: create_lone_run
--- The fast path of a manual trigger, for a job with no downstream jobs (its DAG run is
--- the run itself): one plain INSERT that also wakes the workers. lone = 0 means the job
--- is unknown or has downstream jobs: the caller then uses create_runs.
-WITH lone AS (
-    SELECT j.* FROM pgflow.jobs j
-    WHERE j.name = %(job)s
-      AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
-), inserted AS (
+-- name: create_plain_runs
+-- Runs that start no DAG run: ticks and triggers of jobs without downstream jobs (the
+-- caller knows, or asks with %(only_lone)s to skip any job that has downstream jobs),
+-- and --no-downstream triggers. One INSERT that also wakes the workers; a NULL time
+-- means the database's now(), to the second. Same result as create_runs for these jobs.
+WITH inserted AS (
     INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,
                              priority, params, capped)
-    SELECT name, coalesce(%(time)s::timestamptz, date_trunc('second', now())), 'queued',
-           max_attempts, 'manual', tenant, priority,
-           params || coalesce(%(params)s::jsonb, '{}'), max_active_runs IS NOT NULL
-    FROM lone
+    SELECT j.name, coalesce(i.logical_time, date_trunc('second', now())), 'queued',
+           j.max_attempts, %(trigger)s, j.tenant, j.priority,
+           j.params || coalesce(%(params)s::jsonb, '{}'), j.max_active_runs IS NOT NULL
+    FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
+    JOIN pgflow.jobs j ON j.name = i.job
+    WHERE NOT %(only_lone)s
+       OR NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
     ON CONFLICT (job, logical_time) DO NOTHING
-    RETURNING id
+    RETURNING id, job, logical_time, state, trigger
 )
-SELECT (SELECT count(*) FROM lone) AS lone, id,
-       CASE WHEN id IS NOT NULL THEN pg_notify('pgflow_queue', '') END AS woke
-FROM (SELECT 1) one LEFT JOIN inserted ON true
+SELECT id, job, logical_time, state, trigger,
+       (SELECT pg_notify('pgflow_queue', ''))::text AS woke  -- once per statement
+FROM inserted
