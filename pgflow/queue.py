@@ -91,7 +91,8 @@ async def finish(conn: psycopg.AsyncConnection[Any],
     attempts that were still ours (the others were fenced off and change nothing)."""
     async with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
-        await cur.execute(q("finish_attempts"), finish_params(finishes))
+        # Binary parameters: text arrays cost a regex per element to quote.
+        await cur.execute(q("finish_attempts"), finish_params(finishes), binary=True)
         rows = await cur.fetchall()
         done = {row["id"]: row["state"] for row in rows}
         wake = any(state in ("queued", "retrying") for state in done.values())
