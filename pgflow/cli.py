@@ -28,6 +28,7 @@ class Ctx:
     def __init__(self, database_url: str | None, home: str | None) -> None:
         self._overrides: dict[str, Any] = {"database_url": database_url, "home": home}
         self._settings: Settings | None = None
+        self._url: str | None = None
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
 
     @property
@@ -40,9 +41,12 @@ class Ctx:
         """Flags of a subcommand win over the group's flags and the environment."""
         self._overrides.update({k: v for k, v in values.items() if v is not None})
         self._settings = None
+        self._url = None
 
     def url(self) -> str:
-        return db.resolve_url(self.settings)
+        if self._url is None:
+            self._url = db.resolve_url(self.settings)
+        return self._url
 
     def conn(self) -> psycopg.Connection[dict[str, Any]]:
         if self._conn is None:
