@@ -217,12 +217,7 @@ def jobs_show(ctx: Ctx, name: str, as_json: bool) -> None:
 
 
 def _set_paused(ctx: Ctx, name: str, paused: bool) -> None:
-    conn = ctx.conn()
-    with conn.transaction():
-        row = conn.execute(q("set_paused"), {"name": name, "paused": paused}).fetchone()
-        if row is None:
-            raise NotFound(f"no job named {name!r} (see 'pgflow jobs list')")
-        conn.execute(q("notify_jobs_changed"))
+    registry.set_paused(ctx.conn(), name, paused)
     click.echo(f"{name} {'paused' if paused else 'resumed'}")
 
 
@@ -471,7 +466,7 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: int, bind: str 
     logging_setup.configure(log_level)
     serve(ServeOptions(url=url, roles=chosen, concurrency=concurrency, grace=grace_s,
                        lease_ttl=ctx.settings.lease_ttl, bind=ctx.settings.bind,
-                       settings=ctx.settings))
+                       settings=ctx.settings, web_required="web" in roles))
 
 
 # ---------------------------------------------------------------- backfill

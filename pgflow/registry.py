@@ -333,3 +333,14 @@ def delete(conn: psycopg.Connection[Any], name: str) -> None:
         if not conn.execute(q("delete_jobs"), {"names": [name]}).fetchall():
             raise NotFound(f"no job named {name!r} (see 'pgflow jobs list')")
         conn.execute(q("notify_jobs_changed"))
+
+
+def set_paused(conn: psycopg.Connection[Any], name: str, paused: bool) -> None:
+    """Pause or resume a job (scheduled runs only; triggers still work). The leader hears
+    of it at once; on resume, missed ticks follow the job's catchup setting."""
+    from pgflow.runs import unknown_job_message
+
+    with conn.transaction():
+        if conn.execute(q("set_paused"), {"name": name, "paused": paused}).fetchone() is None:
+            raise NotFound(unknown_job_message(conn, name))
+        conn.execute(q("notify_jobs_changed"))

@@ -38,19 +38,24 @@ class ServeOptions:
     lease_ttl: float
     bind: str
     settings: Settings
+    web_required: bool = True  # False when web is only one of the default roles
 
 
 def serve(options: ServeOptions) -> None:
+    """Run the replica until SIGTERM/SIGINT; raise PgflowError if a required role failed."""
     # Entrypoints name modules relative to where the replica runs, as with `pgflow apply`.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    asyncio.run(_serve(options))
+    failure = asyncio.run(_serve(options))
+    if failure:
+        raise PgflowError(failure)
 
 
-async def _serve(options: ServeOptions) -> None:
+async def _serve(options: ServeOptions) -> str | None:
     replica = Replica.new(options.roles, options.concurrency if "worker" in options.roles else 0)
     log = get_logger(replica=replica.id)
     shutdown = asyncio.Event()
+    failed: list[str] = []  # why a required role stopped the replica
     worker: Worker | None = None
 
     stop = asyncio.Event()  # the replica's heartbeat and the reaper: until the very end
@@ -68,7 +73,9 @@ async def _serve(options: ServeOptions) -> None:
     if "web" in options.roles:
         web = _supervised("web", lambda: run_web(
             options.url, options.settings, options.bind, stop, log), stop, log)
-        web.add_done_callback(lambda task: _web_ended(task, shutdown, log))
+        web.add_done_callback(
+            lambda task: _web_ended(task, shutdown if options.web_required else None, failed,
+                                    log))
         tasks.append(web)
     if "worker" in options.roles:
         worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
@@ -86,14 +93,22 @@ async def _serve(options: ServeOptions) -> None:
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     log.info("replica stopped")
+    return failed[0] if failed else None
 
 
-def _web_ended(task: asyncio.Task[None], shutdown: asyncio.Event, log: Any) -> None:
-    """The web role cannot start (port taken, public bind refused): stop the replica
-    rather than run on without the UI it was asked to serve."""
-    if not task.cancelled() and task.exception() is not None:
+def _web_ended(task: asyncio.Task[None], shutdown: asyncio.Event | None, failed: list[str],
+               log: Any) -> None:
+    """The web role could not start (port taken, public bind refused). Asked for by name
+    (--role web), the replica stops; as one of the default roles (several replicas on one
+    host share the port), the replica goes on without it."""
+    if task.cancelled() or task.exception() is None:
+        return
+    if shutdown is not None:
         log.error("web role failed; stopping the replica", error=str(task.exception()))
+        failed.append(str(task.exception()))
         shutdown.set()
+    else:
+        log.warning("web role not started; the other roles go on", error=str(task.exception()))
 
 
 def _supervised(name: str, role: Callable[[], Awaitable[None]], stop: asyncio.Event,

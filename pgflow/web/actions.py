@@ -32,7 +32,6 @@ from pgflow.web._session import (
     viewer_of,
 )
 from pgflow.web._state import Conn, web_state
-from pgflow.web.api import set_paused
 from pgflow.web.auth import (
     LOGIN_COOKIE,
     LOGIN_TTL_S,
@@ -159,13 +158,13 @@ async def logout(request: Request) -> Response:
 
 def _pause(conn: Conn, viewer: Viewer, request: Request, form: Form) -> tuple[str, str | None]:
     name = _path_name(request)
-    set_paused(conn, name, True)
+    registry.set_paused(conn, name, True)
     return f"job {name} paused", None
 
 
 def _resume(conn: Conn, viewer: Viewer, request: Request, form: Form) -> tuple[str, str | None]:
     name = _path_name(request)
-    set_paused(conn, name, False)
+    registry.set_paused(conn, name, False)
     return f"job {name} resumed", None
 
 

@@ -137,20 +137,13 @@ def delete_job(call: Call) -> tuple[int, BaseModel]:
     return 200, JobDeleted(name=call.args["name"])
 
 
-def set_paused(conn: Any, name: str, paused: bool) -> None:
-    with conn.transaction():
-        if conn.execute(q("set_paused"), {"name": name, "paused": paused}).fetchone() is None:
-            raise NotFound(runs.unknown_job_message(conn, name))
-        conn.execute(q("notify_jobs_changed"))
-
-
 def pause_job(call: Call) -> tuple[int, BaseModel]:
-    set_paused(call.conn, call.args["name"], True)
+    registry.set_paused(call.conn, call.args["name"], True)
     return 200, job_model(call.conn, call.args["name"])
 
 
 def resume_job(call: Call) -> tuple[int, BaseModel]:
-    set_paused(call.conn, call.args["name"], False)
+    registry.set_paused(call.conn, call.args["name"], False)
     return 200, job_model(call.conn, call.args["name"])
 
 
