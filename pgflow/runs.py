@@ -108,15 +108,21 @@ def list_runs(
     tenant: str | None = None,
     limit: int = 100,
     before_id: int | None = None,
+    *,
+    trigger: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
 ) -> list[Row]:
-    """Runs newest first, optionally filtered; ``before_id`` pages (ids below it)."""
+    """Runs newest first, optionally filtered (logical time in [since, until));
+    ``before_id`` pages (ids below it)."""
     if state is not None:
         check_state(state)
     if limit < 1:
         raise InvalidInput(f"limit must be at least 1, got {limit}")
     query = "runs_list_by_job" if job is not None else (
         "runs_list_by_state" if state is not None else "runs_list_all")
-    args = {"job": job, "state": state, "tenant": tenant, "limit": limit,
+    args = {"job": job, "state": state, "tenant": tenant, "trigger": trigger, "since": since,
+            "until": until, "limit": limit,
             "before_id": None if before_id is None else min(max(before_id, 0), _MAX_ID)}
     return conn.execute(q(query), args).fetchall()
 

@@ -110,7 +110,8 @@ def plan(conn: Conn, name: str, args: dict[str, Any] | None = None) -> str:
 def test_queries_skip_the_finished_history(cluster: Conn) -> None:
     add_runs(cluster, "succeeded", "history", 200_000)
     cluster.execute("ANALYZE pgflow.runs")
-    no_cursor = {"tenant": None, "before_id": None, "limit": 100}
+    no_cursor = {"tenant": None, "before_id": None, "limit": 100, "trigger": None,
+                 "since": None, "until": None}
     plans = {
         "status_queue_depth": plan(cluster, "status_queue_depth"),
         "status_dead_letters": plan(cluster, "status_dead_letters"),

@@ -170,13 +170,9 @@ def run_model(conn: Any, run_id: int) -> Run:
 
 def list_runs(call: Call) -> tuple[int, BaseModel]:
     a = call.args
-    query = ("web_runs_by_job" if a["job"] is not None
-             else "web_runs_by_state" if a["state"] is not None else "web_runs_all")
-    before = int(a["cursor"]) if a["cursor"] is not None else MAX_ID
-    rows = call.conn.execute(q(query), {
-        "job": a["job"], "state": a["state"], "tenant": a["tenant"], "trigger": a["trigger"],
-        "since": a["since"], "until": a["until"], "limit": a["limit"],
-        "before_id": before}).fetchall()
+    before = int(a["cursor"]) if a["cursor"] is not None else None
+    rows = runs.list_runs(call.conn, a["job"], a["state"], a["tenant"], a["limit"], before,
+                          trigger=a["trigger"], since=a["since"], until=a["until"])
     items = [Run.model_validate(row) for row in rows]
     cursor = str(items[-1].id) if len(items) == a["limit"] else None
     return 200, RunList(items=items, next_cursor=cursor)

@@ -219,9 +219,7 @@ def job_page(request: Request) -> Response:
         states = history["states"]
         ok, failed = states.get("succeeded", 0), states.get("failed", 0)
         nodes, edges, hidden = _lineage_nodes(conn, name)
-        recent = conn.execute(q("web_runs_by_job"), {
-            "job": name, "before_id": MAX_ID, "state": None, "tenant": None, "trigger": None,
-            "since": None, "until": None, "limit": 20}).fetchall()
+        recent = runs.list_runs(conn, name, limit=20)
         return {
             "title": name, "job": job, "next_fires": _next_fires(job),
             "definition": json.dumps(job["definition"], indent=2, sort_keys=True),
@@ -242,12 +240,10 @@ def dag_page(request: Request) -> Response:
         name = _path_name(request)
         at = _arg(request, "at", {"type": "string", "format": "date-time"})
         if at is None:
-            latest = conn.execute(q("web_runs_by_job"), {
-                "job": name, "before_id": MAX_ID, "state": None, "tenant": None,
-                "trigger": None, "since": None, "until": None, "limit": 1}).fetchone()
-            if latest is None:
+            latest = runs.list_runs(conn, name, limit=1)
+            if not latest:
                 raise NotFound(f"job {name!r} has no runs yet")
-            at = latest["logical_time"]
+            at = latest[0]["logical_time"]
         rows = lineage.dag_run(conn, name, at)
         if not rows:
             raise NotFound(f"no runs of the DAG of {name!r} at {at.isoformat()}")
@@ -290,10 +286,7 @@ def runs_page(request: Request) -> Response:
         tenant = _arg(request, "tenant", NAME_SCHEMA)
         trigger = _arg(request, "trigger", {"type": "string", "enum": TRIGGERS})
         cursor = _arg(request, "cursor", {"type": "integer", "minimum": 1, "maximum": MAX_ID})
-        query = ("web_runs_by_job" if job else "web_runs_by_state" if state else "web_runs_all")
-        rows = conn.execute(q(query), {
-            "job": job, "state": state, "tenant": tenant, "trigger": trigger, "since": None,
-            "until": None, "limit": PAGE + 1, "before_id": cursor or MAX_ID}).fetchall()
+        rows = runs.list_runs(conn, job, state, tenant, PAGE + 1, cursor, trigger=trigger)
         more = len(rows) > PAGE
         rows = rows[:PAGE]
         return {"title": "Runs", "rows": rows, "next_cursor": rows[-1]["id"] if more else None,

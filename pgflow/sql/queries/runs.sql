@@ -14,33 +14,43 @@ SELECT name FROM pgflow.jobs ORDER BY name
 SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND logical_time = %(logical_time)s
 
 -- name: runs_list_all
--- Listings take the filter's own index, and page with id < cursor (an index condition).
+-- Listings (CLI, API, pages) take the filter's own index, and page with id < cursor
+-- (an index condition).
 SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       created_at, started_at, finished_at
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
 FROM pgflow.runs
 WHERE id < coalesce(%(before_id)s::bigint, 9223372036854775807)
   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
 ORDER BY id DESC
 LIMIT %(limit)s
 
 -- name: runs_list_by_job
 SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       created_at, started_at, finished_at
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
 FROM pgflow.runs
 WHERE job = %(job)s
   AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
   AND (%(state)s::text IS NULL OR state = %(state)s)
   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
 ORDER BY id DESC
 LIMIT %(limit)s
 
 -- name: runs_list_by_state
 SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       created_at, started_at, finished_at
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
 FROM pgflow.runs
 WHERE state = %(state)s
   AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
   AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
 ORDER BY id DESC
 LIMIT %(limit)s
 
