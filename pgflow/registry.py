@@ -34,9 +34,9 @@ class RegistrationError(PgflowError):
     def __init__(self, errors: Sequence[SpecError], source: str = "") -> None:
         self.errors = list(errors)
         where = f" in {source}" if source else ""
-        lines = [f"{len(self.errors)} problem(s){where}, nothing applied:"]
-        lines += [f"  {error}" for error in self.errors]
-        super().__init__("\n".join(lines))
+        # One line, as every CLI error: the problems are separated by "; ".
+        problems = "; ".join(str(error).replace("\n", " ") for error in self.errors)
+        super().__init__(f"{len(self.errors)} problem(s){where}, nothing applied: {problems}")
 
 
 @dataclass

@@ -145,3 +145,10 @@ def test_invalid_setting_is_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.startswith("error: invalid setting PGFLOW_LEASE_TTL='forever'")
+
+
+def test_registration_errors_are_one_line(cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code, _, err = cli("apply", write(tmp_path, "[jobs.a]\nschedule='x'\ncommand='true'\n"
+                                                "[jobs.b]\ndepends_on=['zz']\ncommand='true'\n"))
+    assert code == 1 and err.count("\n") == 1
+    assert "job 'a': schedule:" in err and "job 'b': depends_on:" in err
