@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,14 @@ def serve(options: ServeOptions) -> None:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     failure = asyncio.run(_serve(options))
+    if any(t.name.startswith("pgflow-job") and t.is_alive() for t in threading.enumerate()):
+        # A sync job that ignores ctx.cancelled would hold the exit (the interpreter joins
+        # pool threads at exit); its run is already back in the queue, so leave now.
+        if failure:
+            print(f"error: {failure}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if failure else 0)
     if failure:
         raise PgflowError(failure)
 
