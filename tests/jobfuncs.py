@@ -56,3 +56,9 @@ async def marker_then_sleep(ctx: Any) -> None:
     """Write a marker file (so a test knows the attempt started), then sleep."""
     Path(ctx.params["marker"]).write_text(f"{os.getpid()} {ctx.attempt}")
     await asyncio.sleep(float(ctx.params.get("seconds", 60)))
+
+
+def stubborn_sleep(ctx: Any) -> None:
+    """A sync job that ignores ctx.cancelled (writes a marker first)."""
+    Path(ctx.params["marker"]).write_text("started")
+    time.sleep(float(ctx.params.get("seconds", 120)))

@@ -409,3 +409,18 @@ def test_sigterm_grace_lets_short_runs_finish_and_a_second_sigterm_cuts_it(
     back = run_state(conn, long_id)
     assert (back["state"], back["max_attempts"]) == ("queued", 2)
     assert outcomes(conn, long_id) == [(1, "interrupted")]
+
+
+def test_sigterm_does_not_wait_for_a_sync_job_that_ignores_cancellation(
+        conn: Conn, db_url: str, tmp_path: Path, replicas: Replicas) -> None:
+    marker = tmp_path / "started"
+    add_job(conn, "stubborn", entrypoint="jobfuncs:stubborn_sleep",
+            params={"marker": str(marker), "seconds": 120})
+    replica = replicas.start("a", grace="1s")
+    run_id = trigger(db_url, tmp_path, "stubborn")
+    wait_for(marker.exists, timeout=20)
+    replica.term()
+    assert replica.wait_exit(timeout=15) == 0
+    back = run_state(conn, run_id)
+    assert (back["state"], back["max_attempts"]) == ("queued", 2)
+    assert [a["outcome"] for a in attempts(conn, run_id)] == ["interrupted"]
