@@ -491,7 +491,7 @@ def backfill_command(ctx: Ctx, target: str, backfill_id: int | None, start: date
                      as_json: bool) -> None:
     """Re-run job NAME for every tick in [--start, --end); or list, show ID, cancel ID.
 
-    With --start/--end, TARGET is always a job name (even a job named 'list').
+    With --start/--end the first argument is always a job name (even a job named 'list').
     """
     creating = start is not None or end is not None
     if not creating and target in ("list", "show", "cancel"):
