@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import threading
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -20,19 +20,52 @@ class SourceUnavailable(Exception):
         self.source = source
 
 
-@dataclass
 class Context:
     """One attempt of one run, as seen by the job's code.
 
     ``cancelled`` is set when the attempt must stop (operator cancel, timeout, lost
     lease, shutdown). Async jobs are also cancelled with ``CancelledError``; sync
     jobs run in a thread and should poll ``cancelled`` in long loops.
+
+    ``params`` may be given as the JSON text the database returned: it is decoded on
+    first use, and the cancellation event is made on first use too (most no-op-sized
+    runs never touch either, and both cost more than the rest of their bookkeeping).
     """
 
-    run_id: int
-    job: str
-    logical_time: datetime
-    attempt: int
-    params: dict[str, Any]
-    logger: Any
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    __slots__ = ("_cancelled", "_params", "_params_json", "attempt", "job", "logger",
+                 "logical_time", "run_id")
+
+    def __init__(self, run_id: int, job: str, logical_time: datetime, attempt: int,
+                 params: dict[str, Any] | str, logger: Any) -> None:
+        self.run_id = run_id
+        self.job = job
+        self.logical_time = logical_time
+        self.attempt = attempt
+        self.logger = logger
+        self._params: dict[str, Any] | None = params if isinstance(params, dict) else None
+        self._params_json = params if isinstance(params, str) else None
+        self._cancelled: threading.Event | None = None
+
+    @property
+    def params(self) -> dict[str, Any]:
+        if self._params is None:
+            self._params = json.loads(self._params_json or "{}")
+        return self._params
+
+    @property
+    def params_json(self) -> str:
+        if self._params_json is None:
+            self._params_json = json.dumps(self._params)
+        return self._params_json
+
+    @property
+    def cancelled(self) -> threading.Event:
+        # Made on the event loop's thread before a sync job's thread can look (see
+        # Execution), so the job and the loop always share one event.
+        if self._cancelled is None:
+            self._cancelled = threading.Event()
+        return self._cancelled
+
+    def __repr__(self) -> str:
+        return (f"Context(run_id={self.run_id}, job={self.job!r}, attempt={self.attempt},"
+                f" logical_time={self.logical_time.isoformat()})")

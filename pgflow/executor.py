@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import importlib
 import inspect
-import json
 import os
 import signal
 import sys
@@ -53,7 +52,7 @@ class Job:
     job: str
     logical_time: datetime
     attempt: int
-    params: dict[str, Any]
+    params: dict[str, Any] | str  # the JSON text as claimed, or a dict
     command: list[str] | str | None
     entrypoint: str | None
     timeout_s: float | None
@@ -121,7 +120,7 @@ class Execution:
             "PGFLOW_JOB": self.job.job,
             "PGFLOW_LOGICAL_TIME": iso_utc(self.job.logical_time),
             "PGFLOW_ATTEMPT": str(self.job.attempt),
-            "PGFLOW_PARAMS": json.dumps(self.job.params),
+            "PGFLOW_PARAMS": self.ctx.params_json,
         }
 
     async def _run_command(self, command: list[str] | str) -> AttemptResult:
@@ -164,6 +163,7 @@ class Execution:
         if inspect.iscoroutinefunction(function):
             self._work = asyncio.ensure_future(function(self.ctx))
         else:
+            self.ctx.cancelled  # noqa: B018 - make the event here, before the job's thread runs
             self._work = asyncio.wrap_future(_submit(self.threads, function, self.ctx))
         if self._stop_outcome is not None:
             self._work.cancel()

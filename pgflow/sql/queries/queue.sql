@@ -26,7 +26,9 @@ WITH picked AS (
     RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
               r.attempt_started_at, r.cancel_requested
 )
-SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params, c.attempt_started_at,
+-- params as JSON text: a command passes it on as is, a Python job decodes it on first use.
+SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
+       c.attempt_started_at,
        c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
        j.jitter, j.no_retry_exit_codes
 FROM claimed c
@@ -77,7 +79,9 @@ WITH room AS (
     RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
               r.attempt_started_at, r.cancel_requested
 )
-SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params, c.attempt_started_at,
+-- params as JSON text: a command passes it on as is, a Python job decodes it on first use.
+SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
+       c.attempt_started_at,
        c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
        j.jitter, j.no_retry_exit_codes
 FROM claimed c
