@@ -6,6 +6,7 @@ These are the only writers of ``running`` and of attempt endings; the SQL is in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,20 +36,15 @@ class Finish:
     stderr_tail: str | None = None
 
 
-def finish_params(finishes: Sequence[Finish]) -> dict[str, list[Any]]:
-    return {
-        "ids": [f.run_id for f in finishes],
-        "attempts": [f.attempt for f in finishes],
-        "owners": [f.owner for f in finishes],
-        "states": [f.state for f in finishes],
-        "delays": [f.delay_s for f in finishes],
-        "outcomes": [f.outcome for f in finishes],
-        "started": [f.started_at for f in finishes],
-        "exit_codes": [f.exit_code for f in finishes],
-        "errors": [_clean(f.error) for f in finishes],
-        "stdouts": [_clean(f.stdout_tail) for f in finishes],
-        "stderrs": [_clean(f.stderr_tail) for f in finishes],
-    }
+def finish_params(finishes: Sequence[Finish]) -> dict[str, str]:
+    """The ``finish_attempts`` parameter: one JSON document for the whole batch."""
+    return {"results": json.dumps([{
+        "id": f.run_id, "attempt": f.attempt, "owner": f.owner, "state": f.state,
+        "delay_s": f.delay_s, "outcome": f.outcome,
+        "started_at": None if f.started_at is None else f.started_at.isoformat(),
+        "exit_code": f.exit_code, "error": _clean(f.error),
+        "stdout_tail": _clean(f.stdout_tail), "stderr_tail": _clean(f.stderr_tail),
+    } for f in finishes])}
 
 
 def _clean(text: str | None) -> str | None:
@@ -91,8 +87,7 @@ async def finish(conn: psycopg.AsyncConnection[Any],
     attempts that were still ours (the others were fenced off and change nothing)."""
     async with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
-        # Binary parameters: text arrays cost a regex per element to quote.
-        await cur.execute(q("finish_attempts"), finish_params(finishes), binary=True)
+        await cur.execute(q("finish_attempts"), finish_params(finishes))
         rows = await cur.fetchall()
         done = {row["id"]: row["state"] for row in rows}
         wake = any(state in ("queued", "retrying") for state in done.values())
