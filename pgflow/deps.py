@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
 from pgflow.queries import q
 
@@ -24,13 +25,12 @@ def restore_after_retry(conn: psycopg.Connection[Any], run_id: int) -> int:
     """Call in the retry's transaction: downstream runs that failed because of ``run_id``
     wait again; those that still have another failed upstream stay upstream_failed.
     Returns how many runs wait again."""
-    row = conn.execute(q("restore_downstreams"), {"id": run_id}).fetchone()
-    if row is None:
+    cur = conn.cursor(row_factory=dict_row)
+    row = cur.execute(q("restore_downstreams"), {"id": run_id}).fetchone()
+    if row is None or not row["restored"]:
         return 0
-    still_failed, restored = _values(row)
-    if still_failed:
-        conn.execute(q("fail_downstreams"), {"ids": still_failed})
-    return int(restored)
+    failed_again = fail_downstreams(conn, row["still_failed"]) if row["still_failed"] else 0
+    return int(row["restored"]) - failed_again
 
 
 def fail_downstreams(conn: psycopg.Connection[Any], run_ids: list[int]) -> int:
@@ -40,9 +40,5 @@ def fail_downstreams(conn: psycopg.Connection[Any], run_ids: list[int]) -> int:
 
 def failed_upstreams(conn: psycopg.Connection[Any], run_id: int) -> list[dict[str, Any]]:
     """The failed or cancelled upstream runs that hold ``run_id`` back (same logical time)."""
-    cur = conn.execute(q("failed_upstreams"), {"id": run_id})
-    return [dict(zip(("id", "job", "state"), _values(r), strict=True)) for r in cur.fetchall()]
-
-
-def _values(row: Any) -> tuple[Any, ...]:
-    return tuple(row.values()) if isinstance(row, dict) else tuple(row)
+    cur = conn.cursor(row_factory=dict_row)
+    return cur.execute(q("failed_upstreams"), {"id": run_id}).fetchall()

@@ -17,7 +17,6 @@ TIMED_OUT = "timed_out"
 LOST = "lost"
 CANCELLED = "cancelled"
 INTERRUPTED = "interrupted"
-OUTCOMES = (SUCCEEDED, FAILED, TIMED_OUT, LOST, CANCELLED, INTERRUPTED)
 
 EX_TEMPFAIL = 75  # a source is unavailable (sysexits.h)
 

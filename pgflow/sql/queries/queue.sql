@@ -48,7 +48,8 @@ FROM (SELECT unnest(%(jobs)s::text[]) AS job ORDER BY 1) j
 
 -- name: claim_capped_runs
 -- Run after lock_capped_jobs, as a new statement: its snapshot sees every claim that
--- committed before we got the locks, so the count of running runs is exact.
+-- committed before we got the locks, so the count of running runs is exact. Its claim
+-- step repeats claim_runs' on purpose: the hot, uncapped claim stays one statement.
 WITH room AS (
     SELECT j.name, j.max_active_runs
                - (SELECT count(*) FROM pgflow.runs x WHERE x.job = j.name AND x.state = 'running'
