@@ -4,6 +4,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY pgflow ./pgflow
+COPY sql ./sql
 RUN pip install . && useradd --create-home --uid 10001 pgflow
 
 USER pgflow

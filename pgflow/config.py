@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -18,6 +18,13 @@ from pgflow.duration import parse_duration
 from pgflow.errors import ConfigError
 
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
+
+
+# The scheduler leader heartbeats at least this often (pgflow.leader); a lease TTL
+# must be longer, or standbys depose every leader between two of its heartbeats.
+LEADER_HEARTBEAT_S = 1.0
+DEFAULT_CONCURRENCY = 16
+MAX_CONCURRENCY = 100_000
 
 
 def _default_home() -> Path:
@@ -31,6 +38,10 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home, description="data folder")
     lease_ttl: Seconds = Field(default=30.0, gt=0, description="lease length without heartbeat")
     bind: str = Field(default="127.0.0.1:8080", description="host:port of the web role")
+    concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=MAX_CONCURRENCY,
+                             description="runs one replica executes at once")
+    log_format: Literal["auto", "json", "console"] = Field(
+        default="auto", description="auto: console on a terminal, JSON otherwise")
 
     @classmethod
     def settings_customise_sources(
@@ -51,6 +62,13 @@ class Settings(BaseSettings):
             return None
         if value is not None and not value.startswith(("postgresql://", "postgres://")):
             raise ValueError("expected a URL starting with postgresql://")
+        return value
+
+    @field_validator("lease_ttl")
+    @classmethod
+    def _longer_than_heartbeat(cls, value: float) -> float:
+        if value <= LEADER_HEARTBEAT_S:
+            raise ValueError(f"must be longer than the leader's {LEADER_HEARTBEAT_S:g} s heartbeat")
         return value
 
     @field_validator("bind")

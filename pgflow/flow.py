@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pgflow.registry import RegistrationError
-from pgflow.spec import JobSpec, SpecError, parse_job
+from pgflow.spec import JobSpec, RegistrationError, SpecError, parse_job
 
 F = TypeVar("F", bound=Callable[..., Any])
 

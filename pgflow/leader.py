@@ -71,6 +71,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
 from pgflow import backfill
+from pgflow.config import LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
@@ -81,7 +82,7 @@ LEADER_LOCK_KEY = 0x7067666C6F770001
 
 # Standbys try the lock this often; the leader never sleeps longer between heartbeats.
 RETRY_INTERVAL = 1.0
-MAX_SLEEP = 1.0
+MAX_SLEEP = LEADER_HEARTBEAT_S
 # Reconnect backoff after a database error: full jitter over 0.2 s * 2^n, capped.
 BACKOFF_BASE = 0.2
 BACKOFF_CAP = 5.0

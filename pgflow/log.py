@@ -1,4 +1,5 @@
-"""Structured JSON logs on stderr (structlog), one object per line."""
+"""Structured logs on stderr (structlog): JSON lines for machines, or a readable
+console rendering when a person is watching (stderr is a terminal)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,30 @@ import structlog
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
           "error": logging.ERROR}
+FORMATS = ("auto", "json", "console")
 
 
-def configure(level: str = "info") -> None:
+def renders_console(log_format: str, stream: Any = None) -> bool:
+    """Whether ``log_format`` (auto|json|console) means the console renderer."""
+    if log_format == "auto":
+        stream = sys.stderr if stream is None else stream
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty and isatty())
+    return log_format == "console"
+
+
+def configure(level: str = "info", log_format: str = "auto") -> None:
+    console = renders_console(log_format)
+    renderer: Any = (structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()) if console
+                     else structlog.processors.JSONRenderer())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            # The console renderer shows tracebacks itself, readably.
+            *([] if console else [structlog.processors.format_exc_info]),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

@@ -1,4 +1,4 @@
-"""Schema migrations: numbered ``pgflow/sql/migrations/NNNN_name.sql`` files.
+"""Schema migrations: numbered ``sql/migrations/NNNN_name.sql`` files.
 
 ``migrate`` takes a transaction-scoped advisory lock before it even creates the
 schema, so any number of replicas may run it at once: one applies, the others
@@ -53,7 +53,7 @@ class MigrationStatus:
 
 
 def available() -> list[Migration]:
-    folder = resources.files("pgflow").joinpath("sql", "migrations")
+    folder = resources.files("pgflow.sql").joinpath("migrations")
     found = []
     for entry in folder.iterdir():
         match = _FILE.match(entry.name)

@@ -1,4 +1,4 @@
-"""Named SQL queries, parsed once from ``pgflow/sql/queries/*.sql``.
+"""Named SQL queries, parsed once from ``sql/queries/*.sql`` (the package ``pgflow.sql``).
 
 Each statement starts with a ``-- name: <identifier>`` line; the statement runs
 until the next such line. Parameters use psycopg's ``%(name)s`` style. Every
@@ -31,7 +31,7 @@ def parse(text: str) -> dict[str, str]:
 @cache
 def _all() -> dict[str, str]:
     found: dict[str, str] = {}
-    folder = resources.files("pgflow").joinpath("sql", "queries")
+    folder = resources.files("pgflow.sql").joinpath("queries")
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".sql"):
             for name, sql in parse(entry.read_text(encoding="utf-8")).items():

@@ -24,19 +24,10 @@ import psycopg
 from pgflow import dag
 from pgflow.cron import parse_cron
 from pgflow.errors import Conflict, NotFound, PgflowError
+from pgflow.flow import Flow
 from pgflow.queries import q
 from pgflow.spec import JobSpec, SpecError, parse_job
-
-
-class RegistrationError(PgflowError):
-    """Every problem found in a registration; nothing was applied."""
-
-    def __init__(self, errors: Sequence[SpecError], source: str = "") -> None:
-        self.errors = list(errors)
-        where = f" in {source}" if source else ""
-        # One line, as every CLI error: the problems are separated by "; ".
-        problems = "; ".join(str(error).replace("\n", " ") for error in self.errors)
-        super().__init__(f"{len(self.errors)} problem(s){where}, nothing applied: {problems}")
+from pgflow.spec import RegistrationError as RegistrationError  # callers import it from here too
 
 
 @dataclass
@@ -102,8 +93,6 @@ def load_object(target: str) -> tuple[list[JobSpec], list[SpecError]]:
 
 
 def specs_from_object(obj: Any, target: str) -> tuple[list[JobSpec], list[SpecError]]:
-    from pgflow.flow import Flow
-
     if isinstance(obj, Flow):
         return obj.specs(), []
     if isinstance(obj, JobSpec):

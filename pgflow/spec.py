@@ -2,13 +2,15 @@
 
 Validation here is per job (types, ranges, cron, timezone, names). Checks that
 need the whole graph (unknown upstream, cycles, schedules of roots) live in
-``pgflow.dag``.
+``pgflow.dag``. A ``SpecError`` is one problem; a ``RegistrationError`` reports
+all of them at once, from ``Flow.add`` or from a registration.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -23,6 +25,7 @@ from pydantic import (
 
 from pgflow.cron import CronError, load_timezone, parse_cron
 from pgflow.duration import parse_duration
+from pgflow.errors import PgflowError
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 NAME_RE = re.compile(NAME_PATTERN)
@@ -152,6 +155,17 @@ class SpecError(BaseModel):
     def __str__(self) -> str:
         where = f"job {self.job!r}" + (f": {self.key}" if self.key else "")
         return f"{where}: {self.reason}"
+
+
+class RegistrationError(PgflowError):
+    """Every problem found in a registration; nothing was applied."""
+
+    def __init__(self, errors: Sequence[SpecError], source: str = "") -> None:
+        self.errors = list(errors)
+        where = f" in {source}" if source else ""
+        # One line, as every CLI error: the problems are separated by "; ".
+        problems = "; ".join(str(error).replace("\n", " ") for error in self.errors)
+        super().__init__(f"{len(self.errors)} problem(s){where}, nothing applied: {problems}")
 
 
 _FIELDS = sorted(set(JobSpec.model_fields) - {"name"})

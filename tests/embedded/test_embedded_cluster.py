@@ -19,26 +19,12 @@ from urllib.parse import parse_qs, urlsplit
 import psycopg
 import pytest
 
-from pgflow.embedded import (
-    FALLBACK_CLUSTERS,
-    Cluster,
-    PostgresNotFound,
-    embedded_cluster,
-    find_bindir,
-)
-from pgflow.errors import DatabaseUnavailable, PgflowError
+from pgflow.embedded import FALLBACK_CLUSTERS, Cluster, embedded_cluster
+from pgflow.errors import PgflowError
 
 FAST = {"fsync": "off", "full_page_writes": "off"}
 AS_ROOT = os.geteuid() == 0
 MakeCluster = Callable[[Path], Cluster]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _need_postgres() -> None:
-    try:
-        find_bindir()
-    except PostgresNotFound:
-        pytest.skip("PostgreSQL server binaries are not installed")
 
 
 def _mkdtemp(mode: int = 0o755) -> Path:
@@ -294,32 +280,6 @@ def test_long_root_path_uses_a_short_socket_dir(tmp_dir: Path, make_cluster: Mak
 
 
 # --------------------------------------------------------------------------- no server
-
-
-def test_find_bindir_without_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    installed = sorted(
-        Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name.split(".")[0])
-    )
-    if not installed:
-        pytest.skip("no /usr/lib/postgresql/*/bin here")
-    monkeypatch.delenv("PGFLOW_PG_BINDIR", raising=False)
-    monkeypatch.setenv("PATH", "")
-
-    assert find_bindir() == installed[-1]
-
-
-def test_empty_bindir_override_is_not_found(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("PGFLOW_PG_BINDIR", str(tmp_path))
-
-    with pytest.raises(PostgresNotFound) as caught:
-        find_bindir()
-
-    message = str(caught.value)
-    assert isinstance(caught.value, DatabaseUnavailable)
-    assert "\n" not in message
-    assert "PGFLOW_DATABASE_URL" in message
 
 
 def test_settings_may_not_disable_durability_or_move_the_socket(tmp_dir: Path) -> None:

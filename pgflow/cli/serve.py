@@ -1,0 +1,61 @@
+"""``pgflow serve``: run a replica with its roles; the heavy modules load only here."""
+
+from __future__ import annotations
+
+import click
+
+from pgflow import registry
+from pgflow.cli._base import Ctx, pass_ctx
+
+ALL_ROLES = ("scheduler", "worker", "reaper", "web")
+
+
+@click.command("serve")
+@click.option("--role", "roles", multiple=True, type=click.Choice(ALL_ROLES),
+              help="Role to play (repeatable); default: all of them.")
+@click.option("--concurrency",
+              help="Runs this replica executes at once [PGFLOW_CONCURRENCY, 16].")
+@click.option("--bind", help="host:port of the web role [PGFLOW_BIND, 127.0.0.1:8080].")
+@click.option("--app", "apps", multiple=True, metavar="MODULE:ATTR",
+              help="Register the jobs of a pgflow.Flow at start (repeatable).")
+@click.option("--grace", default="10s", show_default=True,
+              help="How long running attempts may finish after SIGTERM.")
+@click.option("--lease-ttl", help="Seconds a lease lasts without heartbeat [PGFLOW_LEASE_TTL, 30].")
+@click.option("--database-url", "serve_url", help="libpq URL [PGFLOW_DATABASE_URL].")
+@click.option("--home", "serve_home", help="Data folder [PGFLOW_HOME].")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+@click.option("--log-format",
+              help="json | console | auto: console on a terminal [PGFLOW_LOG_FORMAT, auto].")
+@pass_ctx
+def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bind: str | None,
+                  apps: tuple[str, ...], grace: str, lease_ttl: str | None,
+                  serve_url: str | None, serve_home: str | None, log_level: str,
+                  log_format: str | None) -> None:
+    """Run a replica: scheduler, worker, reaper and web roles."""
+    from pgflow import log as logging_setup
+    from pgflow.duration import parse_duration
+    from pgflow.serve import ServeOptions, serve
+
+    ctx.override(database_url=serve_url, home=serve_home, lease_ttl=lease_ttl, bind=bind,
+                 concurrency=concurrency, log_format=log_format)
+    try:
+        grace_s = parse_duration(grace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--grace'") from None
+    chosen = tuple(dict.fromkeys(roles)) or ALL_ROLES
+    url = ctx.url()
+    conn = ctx.conn()
+    if apps:
+        loaded = registry.load_sources(list(apps))
+        registry.apply(conn, loaded.specs, source=", ".join(apps), invalid=loaded.errors)
+    if "web" in chosen:
+        from pgflow.config import split_bind
+        from pgflow.web import check_bind_allowed
+
+        check_bind_allowed(conn, split_bind(ctx.settings.bind)[0])
+    conn.close()
+    logging_setup.configure(log_level, ctx.settings.log_format)
+    serve(ServeOptions(url=url, roles=chosen, concurrency=ctx.settings.concurrency, grace=grace_s,
+                       lease_ttl=ctx.settings.lease_ttl, bind=ctx.settings.bind,
+                       settings=ctx.settings, web_required="web" in roles))
