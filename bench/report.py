@@ -72,6 +72,8 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     hop99 = _get(f, "deps", "chain", "hop_ms", "p99")
     quiet99 = _get(f, "backfill", "without_backfill_ms", "p99")
     drain99 = _get(f, "backfill", "while_backfill_drains_ms", "p99")
+    cmd_ratio = _get(f, "commands", "ratio_to_floor")
+    cmd_cli = _get(f, "commands", "cli_under_load", "wall_s_max")
     return [
         _target("registration", "apply 10,000 jobs (s)", reg, "< 5", reg is not None
                 and reg < 5),
@@ -94,6 +96,10 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         _target("backfill", "backfill overlap <= cap",
                 _get(f, "backfill", "backfill_max_overlap"), "<= cap",
                 _get(f, "backfill", "cap_respected")),
+        _target("commands", "one-tick command runs/s / spawn floor", cmd_ratio, ">= 0.5",
+                (cmd_ratio or 0) >= 0.5),
+        _target("commands", "jobs list wall s under command load", cmd_cli, "< 1",
+                cmd_cli is not None and cmd_cli < 1),
     ]
 
 
@@ -151,6 +157,12 @@ FIGURE_LINES: dict[str, Any] = {
                           f"(drain {_fmt(r.get('backfill_drain_per_s'))} runs/s, overlap "
                           f"{r.get('backfill_max_overlap')} <= cap {r.get('cap')})",
     "web": lambda r: _web_line(r) if r.get("available") else r.get("note", "not available"),
+    "commands": lambda r: f"{_fmt(_get(r, 'one_tick', 'runs_per_s'))} runs/s in one tick vs "
+                          f"spawn floor {_fmt(r.get('spawn_floor_per_s'))}/s (ratio "
+                          f"{_fmt(r.get('ratio_to_floor'))}), "
+                          f"{_fmt(_get(r, 'one_tick', 'cpu_ms_per_attempt'))} CPU ms/attempt; "
+                          f"jobs list {_fmt(_get(r, 'cli_under_load', 'wall_s_max'))} s max "
+                          "under load",
 }
 
 

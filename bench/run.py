@@ -21,10 +21,13 @@ from bench import (
     anchors,
     backfill,
     claim,
+    commands,
     deps,
     fanout,
+    history,
     latency,
     memory,
+    policies,
     registration,
     throughput,
     web,
@@ -36,7 +39,7 @@ from bench.report import compare, summary_lines, targets
 PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = PROJECT / "bench" / "results"
 FIGURES = ("registration", "throughput", "latency", "fanout", "memory", "claim", "deps",
-           "backfill", "web")
+           "backfill", "web", "commands", "history", "policies")
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,12 @@ class Plan:
     bf_window_s: float = 15.0
     bf_cap: int = 4
     bf_concurrency: int = 8
+    cmd_jobs: int = 2000
 
 
 QUICK = Plan(tp_n=5000, tp_concurrency=[500], lat_n=60, fan_jobs=2000, mem_sleep_s=3.0,
              mem_kinds=["async"], claim_finished=100_000, chain=30, chain_runs=1,
-             fan_width=200, bf_window_s=5.0)
+             fan_width=200, bf_window_s=5.0, cmd_jobs=500)
 
 
 def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -82,6 +86,10 @@ def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]
                                      p.deps_concurrency),
         "backfill": lambda: backfill.measure(b, p.bf_window_s, p.bf_cap, p.bf_concurrency),
         "web": lambda: web.measure(b),
+        "commands": lambda: commands.measure(b, p.cmd_jobs),
+        # Sized by BENCH_DAY_RUNS, BENCH_DAY_RATE, BENCH_HISTORY_MAX (see bench/history.py).
+        "history": lambda: history.measure(b),
+        "policies": lambda: policies.measure(b, p.tp_n, p.tp_concurrency[-1]),
     }
 
 

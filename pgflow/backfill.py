@@ -6,17 +6,31 @@ already have a run are skipped and counted), all ``pending`` with
 releases them into the queue ``max_concurrency`` at a time, so a 10,000-tick
 backfill never holds more than that many worker slots, and production runs,
 which sort first in the claim, start on time even while it drains.
+
+With ``--downstream`` each tick starts a DAG run: the other roots of the DAG are
+held and released like the job's own ticks (they count against the same cap),
+and the downstream runs are ``pending`` on their upstreams. A downstream run
+whose upstreams already ran at that tick (the job's tick was skipped) is ready at
+once; it is held and released like a tick (trigger ``backfill``), so the cap
+also covers a backfill of jobs added downstream later.
+
+The held runs of a backfill are those ``pending`` with trigger ``backfill``
+while the backfill is running; dependency evaluation leaves them to the release.
+A backfill completes in the transaction that ends its last run (worker, reaper,
+cancel, registration); the safety net completes any that were missed.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import dict_row
 
+from pgflow import deps
 from pgflow.cron import parse_cron
 from pgflow.errors import Conflict, NotFound, PgflowError
 from pgflow.queries import q
@@ -70,6 +84,9 @@ def create(
                 progress(len(chunk))
         conn.execute(q("count_backfill_ticks"), {"id": backfill_id, "ticks": len(ticks),
                                                  "skipped": len(ticks) - created})
+        if downstream:  # downstream runs of ticks whose upstreams already ran
+            deps.settle(conn, [], backfill=backfill_id, hold=True)
+        complete(conn, [backfill_id])  # every tick skipped (or failed at once)
         conn.execute("SELECT pg_notify('pgflow_jobs', '')")
     return {"id": backfill_id, "job": job, "ticks": len(ticks), "created": created,
             "skipped": len(ticks) - created}
@@ -87,16 +104,14 @@ def show(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
 
 
 def cancel(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
-    from pgflow import deps
-
     with conn.transaction():
         row = conn.execute(q("cancel_backfill"), {"id": backfill_id}).fetchone()
         assert row is not None
         if not row["stopped"]:
             state = show(conn, backfill_id)["state"]
             raise Conflict(f"backfill {backfill_id} is already {state}")
-        if row["cancelled"]:
-            deps.fail_downstreams(conn, row["cancelled"])
+        if row["cancelled"]:  # their downstreams may belong to other backfills
+            complete(conn, deps.fail_downstreams(conn, row["cancelled"]).backfills)
         for run_id in row["stopping"]:
             conn.execute("SELECT pg_notify('pgflow_cancel', %s)", (str(run_id),))
     return {"id": backfill_id, "cancelled": len(row["cancelled"]),
@@ -104,8 +119,10 @@ def cancel(conn: psycopg.Connection[Any], backfill_id: int) -> dict[str, Any]:
 
 
 async def release(conn: psycopg.AsyncConnection[Any], ids: list[int] | None = None) -> int:
-    """Top running backfills (all, or ``ids``) up to their caps; close finished ones.
-    Workers call it when a backfill run ends; the leader calls it every loop."""
+    """Top running backfills (all, or ``ids``) up to their caps, and complete those of
+    ``ids`` that have nothing left to run. Workers call it with the backfills of the runs
+    they finished; the leader calls it for all every loop (completing is left to the
+    transactions that end runs, so the safety net notices one that did not)."""
     async with conn.transaction():
         locked = await (await conn.execute(q("lock_backfills"), {"ids": ids})).fetchall()
         if not locked:
@@ -114,5 +131,16 @@ async def release(conn: psycopg.AsyncConnection[Any], ids: list[int] | None = No
         released = cur.rowcount
         if released:
             await conn.execute(q("notify_queue"))
-        await conn.execute(q("complete_backfills"))
+        if ids is not None:
+            await conn.execute(q("complete_backfills"), {"ids": ids})
     return released
+
+
+def complete(conn: psycopg.Connection[Any], ids: Iterable[int]) -> list[int]:
+    """Complete the backfills of ``ids`` that have nothing left to run (call in the
+    transaction that ended their runs)."""
+    wanted = sorted(set(ids))
+    if not wanted:
+        return []
+    cur = conn.cursor(row_factory=dict_row)
+    return [row["id"] for row in cur.execute(q("complete_backfills"), {"ids": wanted})]

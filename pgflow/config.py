@@ -24,6 +24,8 @@ Seconds = Annotated[float, BeforeValidator(parse_duration)]
 # must be longer, or standbys depose every leader between two of its heartbeats.
 LEADER_HEARTBEAT_S = 1.0
 DEFAULT_CONCURRENCY = 16
+# Finished runs are deleted this long after they finished (pgflow.retention).
+DEFAULT_RETENTION_S = 30 * 86400.0
 MAX_CONCURRENCY = 100_000
 
 
@@ -38,10 +40,14 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=_default_home, description="data folder")
     lease_ttl: Seconds = Field(default=30.0, gt=0, description="lease length without heartbeat")
     bind: str = Field(default="127.0.0.1:8080", description="host:port of the web role")
+    health_bind: str | None = Field(
+        default=None, description="host:port of /healthz and /readyz without the web role")
     concurrency: int = Field(default=DEFAULT_CONCURRENCY, ge=1, le=MAX_CONCURRENCY,
                              description="runs one replica executes at once")
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto", description="auto: console on a terminal, JSON otherwise")
+    retention: Seconds = Field(default=DEFAULT_RETENTION_S, gt=0,
+                               description="how long finished runs are kept")
 
     @classmethod
     def settings_customise_sources(
@@ -74,6 +80,14 @@ class Settings(BaseSettings):
     @field_validator("bind")
     @classmethod
     def _host_port(cls, value: str) -> str:
+        split_bind(value)
+        return value
+
+    @field_validator("health_bind")
+    @classmethod
+    def _health_host_port(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
         split_bind(value)
         return value
 

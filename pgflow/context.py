@@ -25,7 +25,9 @@ class Context:
 
     ``cancelled`` is set when the attempt must stop (operator cancel, timeout, lost
     lease, shutdown). Async jobs are also cancelled with ``CancelledError``; sync
-    jobs run in a thread and should poll ``cancelled`` in long loops.
+    jobs run in a thread and should poll ``cancelled`` in long loops: a thread cannot
+    be killed, so one that ignores it runs on after its attempt ended, and keeps its
+    worker slot until it returns.
 
     ``params`` may be given as the JSON text the database returned: it is decoded on
     first use, and the cancellation event is made on first use too (most no-op-sized

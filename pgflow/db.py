@@ -3,13 +3,22 @@
 ``resolve_url`` returns ``PGFLOW_DATABASE_URL`` or, when it is unset, the URL of
 the embedded cluster of ``PGFLOW_HOME`` (started on demand). ``connect`` turns
 every connection failure into one readable DatabaseUnavailable line.
+
+A replica's own connections (``connect_async``) notice a dead peer in seconds (TCP
+keepalives and ``tcp_user_timeout``, both ways); worker and reaper sessions also get
+server-side statement and idle-transaction timeouts sized from the lease TTL, and
+their loops bound every statement on the client too (``bounded``): a silent
+partition, where the socket neither answers nor fails, is caught by nothing else.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import sys
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
@@ -17,6 +26,7 @@ from psycopg.rows import dict_row
 from pgflow import migrate
 from pgflow.config import Settings
 from pgflow.errors import DatabaseUnavailable
+from pgflow.queries import q
 
 
 def resolve_url(settings: Settings, *, announce: bool = True) -> str:
@@ -32,6 +42,7 @@ def resolve_url(settings: Settings, *, announce: bool = True) -> str:
 
 def redact(url: str) -> str:
     """The URL without its password, for messages and logs."""
+    url = re.sub(r"([?&\s]password=)[^&\s]*", r"\1***", url)  # as libpq variables pinned it
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
@@ -63,12 +74,59 @@ def connect_migrated(url: str) -> psycopg.Connection[dict[str, Any]]:
     return conn
 
 
-async def connect_async(url: str, name: str) -> psycopg.AsyncConnection[Any]:
+# Notice a dead peer in seconds instead of the kernel's hours (TCP only; no-ops on a unix
+# socket): keepalive probes on an idle connection, and a cap on how long data we sent may
+# stay unacknowledged (libpq's tcp_user_timeout, in ms).
+_TCP: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
+                        "keepalives_count": 3, "tcp_user_timeout": 10_000}
+
+
+async def connect_async(url: str, name: str, *, statement_timeout: float | None = None,
+                        connect_timeout: float = 10) -> psycopg.AsyncConnection[Any]:
     """An autocommit connection for a replica's role ``name`` (its application_name).
-    Raises psycopg errors: the roles retry with backoff."""
+    Raises psycopg errors: the roles retry with backoff.
+
+    With ``statement_timeout`` (seconds), the server ends any statement, or transaction
+    left idle, that outlasts it and drops the session quickly if the client vanishes
+    mid-statement: for worker and reaper sessions, whose statements are worthless once a
+    lease could have expired. (Not for the leader, whose session holds its lock.)"""
     conn = await psycopg.AsyncConnection.connect(
-        url, autocommit=True, connect_timeout=10, application_name=f"pgflow-{name}",
-        # Notice a dead peer in seconds instead of the kernel's hours (TCP only).
-        keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3)
-    await conn.execute(SESSION_SETUP)
+        url, autocommit=True, connect_timeout=max(2, round(connect_timeout)),
+        application_name=f"pgflow-{name}", **_TCP)
+    if statement_timeout is None:
+        await conn.execute(SESSION_SETUP)
+    else:
+        await conn.execute(q("session_limits"),
+                           {"timeout": f"{max(1, round(statement_timeout * 1000))}ms"})
     return conn
+
+
+class StatementTimeout(psycopg.OperationalError):
+    """A statement got no answer in time; its connection was closed."""
+
+
+T = TypeVar("T")
+
+
+async def bounded(conn: psycopg.AsyncConnection[Any], work: Awaitable[T], timeout: float,
+                  what: str = "statement") -> T:
+    """Await ``work`` (statements on ``conn``) for at most ``timeout`` seconds.
+
+    A silent partition leaves a socket that neither answers nor fails; server timeouts
+    never fire (the server never got the statement) and TCP timeouts only fire when the
+    peer's kernel stops acknowledging. So past ``timeout`` the connection is closed and
+    StatementTimeout raised. Closing comes first: cancelling psycopg's wait would make it
+    send a cancel request and wait for the answer, over the same dead network."""
+    task = asyncio.ensure_future(work)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task in done:
+        return task.result()
+    await conn.close()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise StatementTimeout(f"{what}: no answer from the database within {timeout:g}s")

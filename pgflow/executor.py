@@ -2,35 +2,40 @@
 
 An ``Execution`` runs to an ``AttemptResult``. ``stop(outcome)`` ends it early
 (cancel, lost lease, shutdown): a command's whole process group gets SIGTERM,
-then SIGKILL after a short grace; an async callable is cancelled; a sync
-callable (in a thread) is told through ``ctx.cancelled`` and abandoned.
+then SIGKILL after a short grace (at once for a lost lease); an async callable is
+cancelled; a sync callable (in a thread) is told through ``ctx.cancelled`` and
+abandoned.
+
+Commands run under the replica's supervisor process (``pgflow.supervisor`` explains
+it): the attempt ends when the command's main process exits, its whole group is
+killed then, and the supervisor kills it at its lease deadline (``deadline`` at the
+start, moved by ``extend`` after each renewal) even if the replica is frozen.
+Their environment is ``pgflow.environment.job_base`` plus the run's variables.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import inspect
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
+from pgflow import supervisor
 from pgflow.context import Context, PermanentError, SourceUnavailable
-from pgflow.retry import EX_TEMPFAIL, FAILED, SUCCEEDED, TIMED_OUT
+from pgflow.environment import job_base
+from pgflow.retry import EX_TEMPFAIL, FAILED, LOST, SUCCEEDED, TIMED_OUT
+from pgflow.supervisor import KILL_GRACE_S, Exit
+
+__all__ = ["KILL_GRACE_S", "AttemptResult", "Execution", "Job"]
 
 TAIL_BYTES = 64 * 1024
-# Each command runs under this supervisor: it kills the command's whole process group
-# if the replica dies (even by kill -9).
-_SUPERVISOR = str(Path(__file__).with_name("_supervise.py"))
-KILL_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -75,13 +80,22 @@ class Tail:
 
 
 class Execution:
-    def __init__(self, job: Job, logger: Any, threads: Executor | None = None) -> None:
+    # A sync callable's thread. Python cannot kill a thread: after a timeout or a stop
+    # the attempt ends without it, and the worker counts the thread against its
+    # capacity until the function really returns (see pgflow.worker).
+    thread: Future[Any] | None = None
+
+    def __init__(self, job: Job, logger: Any, threads: Executor | None = None, *,
+                 deadline: float | None = None) -> None:
+        """``deadline``: the lease deadline (``time.monotonic()``) at the start; None
+        means none (tests). Only commands enforce it (the supervisor kills them)."""
         self.job = job
         self.logger = logger
         self.threads = threads
         self.ctx = Context(job.run_id, job.job, job.logical_time, job.attempt, job.params, logger)
         self._stop_outcome: str | None = None
-        self._stopped: asyncio.Event | None = None  # commands wait on it
+        self._deadline = deadline
+        self._command: supervisor.Command | None = None  # a running command
         self._work: asyncio.Future[Any] | None = None  # callables: cancelled to stop
 
     @property
@@ -93,10 +107,19 @@ class Execution:
         if self._stop_outcome is None:
             self._stop_outcome = outcome
             self.ctx.cancelled.set()
-            if self._stopped is not None:
-                self._stopped.set()
+            if self._command is not None:
+                # A lost lease means the retry may already run elsewhere: no grace.
+                self._command.stop(kill=outcome == LOST)
             if self._work is not None:
                 self._work.cancel()
+
+    def extend(self, deadline: float) -> None:
+        """The lease was renewed: its new deadline (``time.monotonic()``). A running
+        command is killed by its supervisor when the deadline passes unextended; a
+        Python callable ignores it."""
+        self._deadline = deadline
+        if self._command is not None:
+            self._command.extend(deadline)
 
     async def run(self) -> AttemptResult:
         if self.job.command is not None:
@@ -113,9 +136,9 @@ class Execution:
 
     # ------------------------------------------------------------ commands
 
-    def environment(self) -> dict[str, str]:
+    def variables(self) -> dict[str, str]:
+        """The run's own variables, on top of the base environment of every command."""
         return {
-            **os.environ,
             "PGFLOW_RUN_ID": str(self.job.run_id),
             "PGFLOW_JOB": self.job.job,
             "PGFLOW_LOGICAL_TIME": iso_utc(self.job.logical_time),
@@ -123,33 +146,26 @@ class Execution:
             "PGFLOW_PARAMS": self.ctx.params_json,
         }
 
+    def environment(self) -> dict[str, str]:
+        """The whole environment a command of this attempt gets."""
+        return {**job_base(os.environ), **self.variables()}
+
     async def _run_command(self, command: list[str] | str) -> AttemptResult:
-        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else command
-        try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", _SUPERVISOR, str(os.getpid()), *argv,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self.environment(), start_new_session=True,
-            )
-        except OSError as exc:
-            return AttemptResult(FAILED, error=f"cannot start the supervisor: {exc}")
-        self._stopped = asyncio.Event()
-        if self._stop_outcome is not None:
-            self._stopped.set()
+        if self._stop_outcome is not None:  # e.g. claimed with a cancel already requested
+            return AttemptResult(self._stop_outcome, error="stopped before the command started")
+        argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         out, err = Tail(), Tail()
-        readers = asyncio.gather(_pump(process.stdout, out), _pump(process.stderr, err))
-        waiter = asyncio.ensure_future(process.wait())
-        stopper = asyncio.ensure_future(self._stopped.wait())
-        done, _ = await asyncio.wait({waiter, stopper}, timeout=self.job.timeout_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        timed_out = not done
-        if waiter not in done:
-            await _terminate(process)
-        stopper.cancel()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(readers, timeout=KILL_GRACE_S)
-        code = await waiter
-        return _command_result(code, timed_out, self.job.timeout_s, out.text(), err.text())
+        try:
+            self._command = supervisor.for_loop().start(
+                argv, self.variables(), self._deadline, self.job.timeout_s, out.write,
+                err.write)
+        except OSError as exc:
+            return AttemptResult(FAILED, error=f"cannot start the command supervisor: {exc}")
+        try:
+            ended = await self._command.wait()
+        finally:
+            self._command = None
+        return _command_result(ended, self.job.timeout_s, out.text(), err.text())
 
     # ------------------------------------------------------------ callables
 
@@ -164,7 +180,8 @@ class Execution:
             self._work = asyncio.ensure_future(function(self.ctx))
         else:
             self.ctx.cancelled  # noqa: B018 - make the event here, before the job's thread runs
-            self._work = asyncio.wrap_future(_submit(self.threads, function, self.ctx))
+            self.thread = _submit(self.threads, function, self.ctx)
+            self._work = asyncio.wrap_future(self.thread)
         if self._stop_outcome is not None:
             self._work.cancel()
         work = self._work
@@ -225,9 +242,15 @@ def load_entrypoint(entrypoint: str) -> Callable[..., Any]:
     return function
 
 
-def _submit(threads: Executor | None, function: Callable[..., Any], ctx: Context) -> Any:
-    if threads is None:
-        return asyncio.get_running_loop().run_in_executor(None, function, ctx)
+_default_threads: ThreadPoolExecutor | None = None
+
+
+def _submit(threads: Executor | None, function: Callable[..., Any],
+            ctx: Context) -> Future[Any]:
+    global _default_threads
+    if threads is None:  # an Execution made without the worker's pool (tests)
+        _default_threads = _default_threads or ThreadPoolExecutor(thread_name_prefix="pgflow-job")
+        threads = _default_threads
     return threads.submit(function, ctx)
 
 
@@ -244,36 +267,24 @@ def _callable_result(exc: BaseException | None) -> AttemptResult:
     return AttemptResult(FAILED, error=f"{type(exc).__name__}: {exc}", stderr_tail=trace)
 
 
-def _command_result(code: int, timed_out: bool, timeout_s: float | None, stdout: str,
+def _command_result(ended: Exit, timeout_s: float | None, stdout: str,
                     stderr: str) -> AttemptResult:
-    if timed_out:
+    if ended.reason == "timeout":
         return AttemptResult(TIMED_OUT, None, f"timed out after {timeout_s:g}s", stdout, stderr)
+    if ended.reason == "deadline":
+        return AttemptResult(LOST, None, "the lease deadline passed without a renewal: the"
+                             " supervisor killed the command", stdout, stderr)
+    if ended.reason == "error":  # exec failed: the shell's "command not found" status
+        message = ended.error or "cannot start the command"
+        return AttemptResult(FAILED, 127, message, stdout, f"{stderr}{message}\n")
+    if ended.status is None:
+        return AttemptResult(FAILED, None, ended.error or "the command was lost", stdout,
+                             stderr)
+    code = ended.status
     if code == 0:
         return AttemptResult(SUCCEEDED, 0, None, stdout, stderr)
     if code < 0:
         name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
         return AttemptResult(FAILED, None, f"killed by {name}", stdout, stderr)
     reason = "source unavailable (exit 75)" if code == EX_TEMPFAIL else f"exited with code {code}"
-    if code == 127 and stderr.startswith("cannot start "):
-        reason = stderr.strip().splitlines()[0]
     return AttemptResult(FAILED, code, reason, stdout, stderr)
-
-
-async def _pump(stream: asyncio.StreamReader | None, tail: Tail) -> None:
-    if stream is None:
-        return
-    while chunk := await stream.read(65536):
-        tail.write(chunk)
-
-
-async def _terminate(process: asyncio.subprocess.Process) -> None:
-    """SIGTERM the process group, SIGKILL it if it is still there after the grace."""
-    _signal_group(process.pid, signal.SIGTERM)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(process.wait()), timeout=KILL_GRACE_S)
-    _signal_group(process.pid, signal.SIGKILL)  # also reaps children that outlived the leader
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)

@@ -12,12 +12,15 @@ lock itself decides who leads. The winner records itself in the singleton row
 ``pgflow.leader``: replica id, the lock session's ``pg_backend_pid()``, a term
 one higher than the previous one, and a heartbeat.
 
-Leading. The leader loops: a heartbeat (an UPDATE guarded by replica id *and*
-term: no row back means the row was taken over and it stops at once), one
-``scheduler.run_once`` pass, then a sleep until the earliest ``next_fire_at``
+Leading. The leader loops: ``scheduler.run_once``, which heartbeats (an UPDATE
+guarded by replica id *and* term: no row back means the row was taken over and
+it stops at once) before each of its passes, each pass one bounded
+transaction; a heartbeat, the backfill release and, every few seconds, the
+safety net (safety_net.py); then a sleep until the earliest ``next_fire_at``
 of an unpaused job (the ``jobs_due_idx`` index), a NOTIFY on ``pgflow_jobs``
 (definitions changed, paused, resumed) or 1 s, whichever comes first. Every
-scheduling transaction runs *on the lock connection*.
+scheduling transaction runs *on the lock connection*. A backlog of any size
+is many short passes, so the heartbeat never waits longer than one pass.
 
 Frozen leaders. A leader process that is stopped (SIGSTOP, a debugger, a
 blocked event loop) keeps its session open, so it keeps the lock and nobody
@@ -70,8 +73,8 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
-from pgflow import backfill
-from pgflow.config import LEADER_HEARTBEAT_S
+from pgflow import backfill, retention, safety_net
+from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
@@ -135,6 +138,8 @@ class Leadership:
         *,
         retry_interval: float = RETRY_INTERVAL,
         max_sleep: float = MAX_SLEEP,
+        retention_s: float = DEFAULT_RETENTION_S,
+        net_interval: float = safety_net.INTERVAL_S,
     ) -> None:
         if lease_ttl <= max_sleep:
             raise ValueError(
@@ -146,6 +151,8 @@ class Leadership:
         self.lease_ttl = lease_ttl
         self.retry_interval = retry_interval
         self.max_sleep = max_sleep
+        self.net_interval = net_interval  # how often the safety net runs (safety_net.py)
+        self.retention_s = retention_s  # finished runs older than this are pruned (retention.py)
         self._log = log.bind(component="scheduler", replica_id=replica_id)
         self._term: int | None = None
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
@@ -213,15 +220,21 @@ class Leadership:
         self._term = int(term)
         self._log.info("scheduler leadership won", term=self._term)
         await conn.execute(q("listen_jobs"))
+        net = _NetSchedule(self.net_interval)
+        pruner = retention.Pruner(self.retention_s, replica_id=self.replica_id)
         try:
             while not stop.is_set():
-                await self._heartbeat(conn)
-                result = await run_once(conn)
+                result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 self._report(result)
+                await self._heartbeat(conn)
                 released = await backfill.release(conn)
                 if released:
                     self._log.debug("released backfill runs", runs=released)
-                if not result.more:
+                if net.due():
+                    await net.run(conn, self.lease_ttl, self._log)
+                if pruner.due():
+                    await pruner.run(conn, self._log)
+                if not result.more and not pruner.behind:  # a prune backlog: go on
                     await self._wait_for_work(conn, stop, result)
         except _LostLeadership:
             self._log.warning("scheduler leadership lost: another replica's term is current",
@@ -264,15 +277,34 @@ class Leadership:
         self._term = None
 
 
+class _NetSchedule:
+    """When the leader runs the safety net next, and where its walk of pending runs is."""
+
+    def __init__(self, interval: float = safety_net.INTERVAL_S) -> None:
+        self.interval = interval
+        self.after_id = 0
+        self._next = time.monotonic() + interval
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    async def run(self, conn: AsyncConnection[Any], lease_ttl: float, log: Any) -> None:
+        self._next = time.monotonic() + self.interval
+        found = await safety_net.run_once_async(conn, lease_ttl=lease_ttl,
+                                                after_id=self.after_id, log=log)
+        self.after_id = found.after_id
+
+
 async def run_scheduler(
     url: str,
     replica_id: str,
     lease_ttl: float,
     stop: asyncio.Event,
     log: structlog.stdlib.BoundLogger | Any,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
     """The scheduler role of ``pgflow serve``: runs until ``stop`` is set."""
-    await Leadership(url, replica_id, lease_ttl, log).run(stop)
+    await Leadership(url, replica_id, lease_ttl, log, retention_s=retention_s).run(stop)
 
 
 async def _fetch_value(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> Any:

@@ -7,6 +7,10 @@ run any worker, so every number comes from one SQL statement per scrape
 - **Gauges** are read as they are: queue depth by state and tenant, running runs,
   dead letters, the oldest claimable run's wait, replicas alive / not responding,
   the leader (present, heartbeat age, term, which replica), open breakers.
+- ``pgflow_repairs_total{kind}`` is the exception: the safety net counts its repairs
+  in ``pgflow.repairs`` (one more small statement), so it is a cluster-wide total.
+- ``pgflow_worker_demand_*`` read the view ``pgflow.worker_demand`` (one more
+  statement), the numbers an autoscaler scales workers on.
 - **Counters and histograms** must only go up, so they are *not* "how many in the
   last N minutes". Each scrape reads the events of the interval since the previous
   scrape (runs that finished, attempts that ended, scheduled runs that started:
@@ -47,6 +51,7 @@ from prometheus_client.core import (
 from psycopg_pool import PoolTimeout
 
 from pgflow.queries import q
+from pgflow.safety_net import KINDS as REPAIR_KINDS
 from pgflow.status import ALIVE_TTLS
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -128,6 +133,13 @@ class Metrics:
 
     def _scrape(self) -> dict[str, Any]:
         with self._connection() as conn:
+            # The safety net's repairs are cluster-wide totals kept in pgflow.repairs.
+            repairs = conn.execute(q("repair_totals")).fetchall()
+            # What an autoscaler reads (pgflow.worker_demand), as gauges.
+            demand = conn.execute(q("worker_demand")).fetchone()
+            # Breakers: state per source, transitions (cluster-wide, from their log).
+            states = conn.execute(q("breaker_states")).fetchall()
+            moves = conn.execute(q("breaker_transition_counts")).fetchall()
             row = conn.execute(q("metrics_scrape"), {
                 "since": self._since, "settle": self._settle_s,
                 "alive_s": ALIVE_TTLS * self._lease_ttl,
@@ -135,6 +147,10 @@ class Metrics:
                 "neg_lag_bounds": [-b for b in reversed(LAG_BOUNDS)],
             }).fetchone()
         assert row is not None
+        row["repairs"] = {r["kind"]: r["total"] for r in repairs}
+        row["demand"] = demand
+        row["breaker_states"] = states
+        row["breaker_moves"] = moves
         for f in row["finished"]:
             self._finished[(f["job"], f["tenant"], f["outcome"])] += f["n"]
         for a in row["attempts"]:
@@ -217,6 +233,14 @@ def _gauges(row: dict[str, Any], lease_ttl: float) -> Iterator[Metric]:
                                  labels=["replica_id"])
         info.add_metric([leader["replica_id"]], 1.0)
         yield info
+    repairs = CounterMetricFamily(
+        "pgflow_repairs",
+        "Stuck runs and backfills the safety net repaired, cluster-wide, by kind (a bug).",
+        labels=["kind"])
+    for kind in REPAIR_KINDS:
+        repairs.add_metric([kind], float(row["repairs"].get(kind, 0)))
+    yield repairs
+    yield from _demand_gauges(row["demand"])
     yield _gauge("pgflow_breakers_open", "Sources whose circuit breaker is open.",
                  float(len(row["open_breakers"])))
     breakers = GaugeMetricFamily("pgflow_breaker_open", "1 for each source whose breaker is open.",
@@ -224,4 +248,30 @@ def _gauges(row: dict[str, Any], lease_ttl: float) -> Iterator[Metric]:
     for source in row["open_breakers"]:
         breakers.add_metric([source], 1.0)
     yield breakers
+    states = GaugeMetricFamily("pgflow_breaker_state",
+                              "1 for the state each source's breaker is in.",
+                              labels=["source", "state"])
+    for b in row.get("breaker_states", []):
+        for name in ("closed", "open", "half_open"):
+            states.add_metric([b["source"], name], float(b["state"] == name))
+    yield states
+    moves = CounterMetricFamily("pgflow_breaker_transitions",
+                                "Breaker transitions, by source and the state entered.",
+                                labels=["source", "to_state"])
+    for m in row.get("breaker_moves", []):
+        moves.add_metric([m["source"], m["to_state"]], float(m["n"]))
+    yield moves
 
+
+
+def _demand_gauges(demand: dict[str, Any]) -> Iterator[Metric]:
+    """The row of pgflow.worker_demand: workers needed = (claimable + running) / concurrency."""
+    yield _gauge("pgflow_worker_demand_claimable", "Runs a worker could start now.",
+                 float(demand["claimable"]))
+    yield _gauge("pgflow_worker_demand_running", "Runs running now.", float(demand["running"]))
+    yield _gauge("pgflow_worker_demand_held",
+                 "Runs due but held back by an open breaker or a max_active_runs cap.",
+                 float(demand["held"]))
+    yield _gauge("pgflow_worker_demand_oldest_claimable_age_seconds",
+                 "How long the oldest claimable run has waited (0 when none waits).",
+                 float(demand["oldest_claimable_age_s"]))

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
 
-from pgflow import backfill
+from pgflow import backfill, breakers, deps
 from pgflow.queries import q
 
 
@@ -34,6 +34,9 @@ class Finish:
     error: str | None = None
     stdout_tail: str | None = None
     stderr_tail: str | None = None
+    sources: tuple[str, ...] = ()  # the job's, for its breakers (a success resets them)
+    unavailable: tuple[str, ...] = ()  # a source-unavailable attempt: the sources it names
+    refund: bool = False  # the attempt does not use up the budget (set by ``finish``)
 
 
 def finish_params(finishes: Sequence[Finish]) -> dict[str, str]:
@@ -44,12 +47,53 @@ def finish_params(finishes: Sequence[Finish]) -> dict[str, str]:
         "started_at": None if f.started_at is None else f.started_at.isoformat(),
         "exit_code": f.exit_code, "error": _clean(f.error),
         "stdout_tail": _clean(f.stdout_tail), "stderr_tail": _clean(f.stderr_tail),
+        "refund": f.refund,
     } for f in finishes])}
 
 
 def _clean(text: str | None) -> str | None:
-    # PostgreSQL text cannot hold NUL; job output can.
-    return None if text is None else text.replace("\x00", "\ufffd")
+    # PostgreSQL text cannot hold NUL, nor a lone surrogate (an exception message built
+    # from a surrogate-escaped file name has them); job output can.
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text.replace("\x00", "\ufffd")
+
+
+def result_size(f: Finish) -> int:
+    """About how many characters ``f`` adds to a finish batch (the output dominates)."""
+    return 200 + len(f.error or "") + len(f.stdout_tail or "") + len(f.stderr_tail or "")
+
+
+SHRUNK_TAIL = 4096
+
+
+def shrunk(f: Finish, reason: str) -> Finish | None:
+    """A smaller version of a result the database refused: the ends of its output, then
+    none of it; None when nothing is left to drop."""
+    note = f"[pgflow: output cut, the database refused it: {reason[:200]}]\n"
+    tails = (f.stdout_tail, f.stderr_tail)
+    if any(t is not None and len(t) > SHRUNK_TAIL for t in tails) or len(f.error or "") > 1000:
+        def cut(text: str | None) -> str | None:
+            return None if text is None or len(text) <= SHRUNK_TAIL else note + text[-SHRUNK_TAIL:]
+        return replace(f, stdout_tail=cut(f.stdout_tail), stderr_tail=cut(f.stderr_tail),
+                       error=None if f.error is None else f.error[:1000])
+    if any(t is not None for t in tails) or f.error:
+        error = (f.error or "").encode("ascii", "backslashreplace").decode("ascii")[:1000]
+        return replace(f, stdout_tail=None, stderr_tail=None,
+                       error=f"{error} [pgflow: output dropped, the database refused it:"
+                             f" {reason[:200]}]".strip())
+    return None
+
+
+def _refunded(f: Finish) -> Finish:
+    """A source-unavailable attempt while its breaker opens or is open: the run waits for
+    the breaker (held), with its budget intact, whatever the worker decided."""
+    state = "retrying" if f.state in ("retrying", "failed") else f.state
+    return replace(f, state=state, delay_s=0.0, refund=True)
 
 
 async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
@@ -59,26 +103,77 @@ async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
     return await cur.fetchall()
 
 
-async def claim_capped(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
-                       ttl: float) -> list[dict[str, Any]]:
-    """Claim runs of jobs with a max_active_runs cap, never exceeding it cluster-wide."""
+@dataclass(frozen=True)
+class CappedWaiting:
+    """Capped jobs with room and a claimable run, best waiting priority first."""
+
+    jobs: list[tuple[str, int]]  # (job, best claimable priority)
+    uncapped_priority: int | None  # the best claimable uncapped run's, None without one
+
+    def before_uncapped(self) -> list[str]:
+        """Jobs whose best run must be claimed before the uncapped claim: it is not of
+        lower priority than any claimable uncapped run."""
+        floor = self.uncapped_priority
+        return [job for job, best in self.jobs if floor is None or best >= floor]
+
+
+async def capped_waiting(conn: psycopg.AsyncConnection[Any]) -> CappedWaiting:
     cur = conn.cursor(row_factory=dict_row)
     await cur.execute(q("capped_jobs_waiting"))
-    jobs = [row["job"] for row in await cur.fetchall()]
-    if not jobs:
+    rows = await cur.fetchall()
+    return CappedWaiting([(row["job"], row["priority"]) for row in rows],
+                         rows[0]["uncapped_priority"] if rows else None)
+
+
+async def claim_capped(conn: psycopg.AsyncConnection[Any], worker: str, jobs: list[str],
+                       limit: int, ttl: float,
+                       min_priority: int | None = None) -> list[dict[str, Any]]:
+    """Claim runs of ``jobs`` (jobs with a max_active_runs cap), never exceeding a cap
+    cluster-wide; with ``min_priority``, only runs of at least that priority."""
+    if not jobs or limit <= 0:
         return []
+    cur = conn.cursor(row_factory=dict_row)
     async with conn.transaction():
         await cur.execute(q("lock_capped_jobs"), {"jobs": jobs})
         await cur.execute(q("claim_capped_runs"),
-                          {"jobs": jobs, "worker": worker, "limit": limit, "ttl": ttl})
+                          {"jobs": jobs, "worker": worker, "limit": limit, "ttl": ttl,
+                           "min_priority": min_priority})
         return await cur.fetchall()
 
 
-async def renew(conn: psycopg.AsyncConnection[Any], worker: str,
-                ttl: float) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Renewal:
+    """What one heartbeat found: the held attempts still ours (``renewed``, with their
+    ``cancel_requested``), and the runs given back (``released``: claimed for this worker
+    but never received by it)."""
+
+    renewed: list[dict[str, Any]]
+    released: list[dict[str, Any]]
+
+
+async def renew(conn: psycopg.AsyncConnection[Any], worker: str, ttl: float,
+                held: Sequence[tuple[int, int]], release: bool) -> Renewal:
+    """Renew the leases of exactly the (run id, attempt) pairs in ``held``; with
+    ``release``, give back the runs this worker owns but does not hold."""
+    params = {"worker": worker, "ttl": ttl, "ids": [run_id for run_id, _ in held],
+              "attempts": [attempt for _, attempt in held], "release": release}
     cur = conn.cursor(row_factory=dict_row)
-    await cur.execute(q("renew_leases"), {"worker": worker, "ttl": ttl})
-    return await cur.fetchall()
+    if not release:
+        await cur.execute(q("renew_leases"), params)
+        return Renewal(await cur.fetchall(), [])
+    async with conn.transaction():  # a run given back cancelled fails its downstreams
+        await cur.execute(q("renew_leases"), params)
+        rows = await cur.fetchall()
+        released = [row for row in rows if row["released"] is not None]
+        ended = [row["id"] for row in released if row["released"] == "cancelled"]
+        if ended:  # repeated until it marks nothing new (pgflow/deps.py)
+            await deps.fail_downstreams_async(conn, ended)
+        if len(ended) < len(released):
+            await cur.execute(q("notify_queue"))
+    backfills = sorted({row["backfill_id"] for row in released if row["backfill_id"]})
+    if backfills:
+        await backfill.release(conn, backfills)
+    return Renewal([row for row in rows if row["released"] is None], released)
 
 
 async def finish(conn: psycopg.AsyncConnection[Any],
@@ -87,17 +182,26 @@ async def finish(conn: psycopg.AsyncConnection[Any],
     attempts that were still ours (the others were fenced off and change nothing)."""
     async with conn.transaction():
         cur = conn.cursor(row_factory=dict_row)
+        opened: tuple[str, ...] = ()
+        unavailable = [(f.run_id, f.attempt, f.owner, f.unavailable)
+                       for f in finishes if f.unavailable]
+        if unavailable:  # breakers count, open; the attempt keeps its budget (breakers.py)
+            outcome = await breakers.record_unavailable(conn, unavailable)
+            opened = outcome.opened
+            if outcome.refunded:
+                finishes = [_refunded(f) if f.run_id in outcome.refunded else f
+                            for f in finishes]
         await cur.execute(q("finish_attempts"), finish_params(finishes))
         rows = await cur.fetchall()
         done = {row["id"]: row["state"] for row in rows}
-        wake = any(state in ("queued", "retrying") for state in done.values())
-        candidates = rows[0]["candidates"] if rows else None
-        if candidates:
-            await cur.execute(q("queue_ready_runs"), {"ids": candidates})
-            wake = wake or cur.rowcount > 0
-        ended = [run_id for run_id, state in done.items() if state in ("failed", "cancelled")]
-        if ended:
-            await cur.execute(q("fail_downstreams"), {"ids": ended})
+        await breakers.hold(conn, opened)
+        closed = await breakers.record_successes(conn, [
+            (f.run_id, f.sources) for f in finishes
+            if f.sources and done.get(f.run_id) == "succeeded"])
+        wake = bool(closed) or any(state in ("queued", "retrying") for state in done.values())
+        # Downstreams queued or failed, backfills completed (pgflow/deps.py).
+        settled = await deps.after_finish(conn, rows)
+        wake = wake or bool(settled.queued)
         if wake:
             await cur.execute(q("notify_queue"))
     backfills = sorted({row["backfill_id"] for row in rows if row["backfill_id"] is not None})

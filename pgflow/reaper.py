@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import queue, retry
-from pgflow.db import connect_async
+from pgflow.db import bounded, connect_async
 from pgflow.queries import q
 from pgflow.queue import Finish
 
@@ -66,16 +66,17 @@ async def forget_dead_replicas(conn: psycopg.AsyncConnection[Any]) -> int:
 async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any) -> None:
     """Reap every ~TTL/3 until ``stop``; database errors are logged and retried."""
     interval = max(0.5, min(lease_ttl / 3, 10.0))
+    statement_s = max(1.0, lease_ttl)  # a reap pass is worthless once it outlasts a lease
     conn: psycopg.AsyncConnection[Any] | None = None
     failures = 0
     while not stop.is_set():
         try:
             if conn is None or conn.closed:
-                conn = await connect_async(url, "reaper")
-            while (found := await run_once(conn)).reaped:
+                conn = await connect_async(url, "reaper", statement_timeout=statement_s)
+            while (found := await bounded(conn, run_once(conn), statement_s + 2, "reap")).reaped:
                 log.info("reaped expired leases", reaped=found.reaped, retried=found.retried,
                          failed=found.failed)
-            await forget_dead_replicas(conn)
+            await bounded(conn, forget_dead_replicas(conn), statement_s + 2, "reap")
             failures = 0
         except psycopg.Error as exc:
             failures += 1

@@ -21,7 +21,8 @@ from typing import Any
 
 import psycopg
 
-from pgflow import dag
+from pgflow import backfill, dag, deps
+from pgflow import policies as _policies
 from pgflow.cron import parse_cron
 from pgflow.errors import Conflict, NotFound, PgflowError
 from pgflow.flow import Flow
@@ -36,6 +37,7 @@ class ApplyResult:
     updated: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
+    policies: Any = None  # pgflow.policies.PolicyResult: tenants and sources
 
     def counts(self) -> dict[str, int]:
         return {name: len(getattr(self, name)) for name in ("created", "updated", "unchanged",
@@ -55,11 +57,12 @@ def load_toml(path: Path) -> tuple[list[JobSpec], list[SpecError]]:
         raise PgflowError(f"{path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise PgflowError(f"{path}: invalid TOML: {exc}") from None
-    unknown = sorted(set(document) - {"jobs"})
+    unknown = sorted(set(document) - {"jobs", *_policies.TABLES})
     if unknown:
         raise PgflowError(
             f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}:"
-            " job definitions go in [jobs.<name>] tables"
+            " job definitions go in [jobs.<name>] tables (and [tenants.<name>],"
+            " [sources.<name>])"
         )
     jobs = document.get("jobs", {})
     if not isinstance(jobs, dict):
@@ -113,6 +116,7 @@ class Loaded:
 
     specs: list[JobSpec] = field(default_factory=list)
     errors: list[SpecError] = field(default_factory=list)
+    policies: _policies.Policies = field(default_factory=lambda: _policies.Policies())
 
 
 def load_sources(sources: Sequence[str]) -> Loaded:
@@ -133,6 +137,8 @@ def load_sources(sources: Sequence[str]) -> Loaded:
                     continue
                 defined_in[spec.name] = origin
                 loaded.specs.append(spec)
+    loaded.policies, problems = _policies.load_files(sources)  # [tenants.*], [sources.*]
+    loaded.errors += problems
     return loaded
 
 
@@ -220,6 +226,7 @@ def apply(
     prune: bool = False,
     source: str = "",
     invalid: Sequence[SpecError] = (),
+    policies: _policies.Policies | None = None,
 ) -> ApplyResult:
     """Register ``specs`` in one transaction; with ``prune``, remove jobs not among them.
 
@@ -229,10 +236,11 @@ def apply(
     with conn.transaction():
         conn.execute(q("lock_registry"))
         existing = {row["name"]: row for row in conn.execute(q("registry_snapshot"))}
-        bad_names = {error.job for error in invalid}
+        bad_names = {error.job for error in invalid if error.kind == "job"}
         names = {spec.name for spec in specs} | bad_names
         removed = set(existing) - names if prune else set()
-        errors = [*invalid, *check_graph(existing, specs, removed, bad_names)]
+        errors = [*invalid, *check_graph(existing, specs, removed, bad_names),
+                  *_policies.duplicates(policies)]
         if errors:
             raise RegistrationError(errors, source)
         now: datetime = conn.execute("SELECT now() AS now").fetchone()["now"]  # type: ignore[index]
@@ -251,10 +259,29 @@ def apply(
         if changed or removed:
             # Old edges go first: a changed job may have depended on a removed one.
             conn.execute(q("delete_deps"), {"jobs": sorted(removed | {c.name for c in changed})})
-            conn.execute(q("delete_jobs"), {"names": sorted(removed)})
+            gone = conn.execute(q("delete_jobs"), {"names": sorted(removed)}).fetchall()
             _write(conn, changed, existing, now)
+            settled = _resettle(conn, _rewired(changed, existing))
+            backfill.complete(conn, settled.backfills.union(*(g["backfills"] for g in gone)))
             conn.execute(q("notify_jobs_changed"))
+        result.policies = _policies.write(conn, policies, prune=prune)  # tenants, sources, flags
     return result
+
+
+def _rewired(specs: Sequence[JobSpec], existing: dict[str, dict[str, Any]]) -> list[str]:
+    """Jobs whose upstream edges this registration changes."""
+    return sorted(spec.name for spec in specs if spec.name not in existing
+                  or sorted(existing[spec.name]["depends_on"]) != sorted(spec.depends_on))
+
+
+def _resettle(conn: psycopg.Connection[Any], jobs: list[str]) -> deps.Settled:
+    """The pending runs of re-wired jobs are judged by their new upstreams, in the
+    transaction that wrote the edges: ready ones are queued, those behind a failed
+    upstream fail, the rest wait on the new set."""
+    if not jobs:
+        return deps.Settled()
+    pending = [row["id"] for row in conn.execute(q("pending_runs_of_jobs"), {"jobs": jobs})]
+    return deps.settle(conn, pending)
 
 
 def _write(
@@ -319,8 +346,10 @@ def delete(conn: psycopg.Connection[Any], name: str) -> None:
                 " delete them or remove it from their depends_on first"
             )
         conn.execute(q("delete_deps"), {"jobs": [name]})
-        if not conn.execute(q("delete_jobs"), {"names": [name]}).fetchall():
+        gone = conn.execute(q("delete_jobs"), {"names": [name]}).fetchall()
+        if not gone:
             raise NotFound(f"no job named {name!r} (see 'pgflow jobs list')")
+        backfill.complete(conn, gone[0]["backfills"])
         conn.execute(q("notify_jobs_changed"))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from pgflow import __version__
-from pgflow.db import connect_async
+from pgflow.db import bounded, connect_async
 from pgflow.queries import q
 
 ROLES = ("scheduler", "worker", "reaper", "web")
@@ -46,8 +46,8 @@ async def run_heartbeat(url: str, replica: Replica, lease_ttl: float, stop: asyn
     while not stop.is_set():
         try:
             conn = conn or await connect_async(url, "replica")
-            await conn.execute(q("heartbeat_replica"),
-                               {**replica.params(), "stopping": stopping.is_set()})
+            await bounded(conn, conn.execute(q("heartbeat_replica"), {
+                **replica.params(), "stopping": stopping.is_set()}), lease_ttl, "replica heartbeat")
             failures = 0
         except psycopg.Error as exc:
             failures += 1

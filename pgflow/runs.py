@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from pgflow import deps
+from pgflow import backfill, deps
 from pgflow.errors import Conflict, InvalidInput, NotFound, PgflowError
 from pgflow.queries import q
 
@@ -46,8 +46,10 @@ def trigger(
     ``params`` are merged over the job's own. One run per (job, logical time):
     a second trigger for the same pair is refused. With ``downstream`` (the
     default) the run starts a DAG run: a root brings the other roots of its DAG,
-    and every job downstream gets a pending run; a non-root job runs without
-    waiting for its upstreams. ``downstream=False`` runs only this job.
+    and every job downstream gets a pending run (queued at once when its upstreams
+    already succeeded at that time, upstream_failed when one of them failed); a
+    non-root job runs without waiting for its upstreams. ``downstream=False`` runs
+    only this job. A refused trigger creates nothing.
     """
     if logical_time is not None and logical_time.tzinfo is None:
         logical_time = logical_time.replace(tzinfo=UTC)
@@ -59,13 +61,18 @@ def trigger(
         "only_lone": downstream}).fetchone()
     if plain is not None:
         return int(plain["id"])
-    rows = conn.execute(q("create_runs"), {
-        "jobs": [job], "times": [logical_time], "trigger": "manual", "params": params_json,
-        "downstream": downstream, "state": "queued", "priority_offset": 0, "backfill_id": None,
-    }).fetchall()
-    created = next((row for row in rows if row["job"] == job), None)
-    if created is None:
-        raise _trigger_refusal(conn, job, logical_time or _db_second(conn))
+    with conn.transaction():  # a refused trigger creates no downstream runs either
+        rows = conn.execute(q("create_runs"), {
+            "jobs": [job], "times": [logical_time], "trigger": "manual", "params": params_json,
+            "downstream": downstream, "state": "queued", "priority_offset": 0,
+            "backfill_id": None,
+        }).fetchall()
+        created = next((row for row in rows if row["job"] == job), None)
+        if created is None:
+            raise _trigger_refusal(conn, job, logical_time or _db_second(conn))
+        # Downstream runs whose upstreams already ran at this time go ahead now.
+        deps.settle(conn, [row["id"] for row in rows if row["state"] == "pending"],
+                    fresh=[row["id"] for row in rows])
     return int(created["id"])
 
 
@@ -169,17 +176,44 @@ def _no_run(run_id: int) -> NotFound:
 # ---------------------------------------------------------------- actions
 
 
+def retry_message(run_id: int, retried: Row) -> str:
+    """What an operator is told about a retry: queued now, or waiting for upstreams."""
+    if retried.get("state") == "pending":
+        return f"run {run_id} retried: it waits for its upstream runs (pending)"
+    return f"run {run_id} queued for retry"
+
+
 def retry(conn: Conn, run_id: int) -> Row:
-    """Queue a failed or cancelled run again with a fresh attempt budget."""
+    """Run a failed or cancelled run again with a fresh attempt budget.
+
+    A run without upstream runs at its logical time is queued. Another goes back to
+    ``pending`` and is queued once they have all succeeded (at once if they have); a
+    retry is refused while one of them is failed or cancelled (retry that one). The
+    runs that were upstream_failed because of this one wait for it again.
+    """
     _check_id(run_id)
     with conn.transaction():
         changed = conn.execute(q("run_retry"), {"id": run_id, "now": None}).fetchone()
         if changed is not None:
+            if changed["state"] == "pending":
+                changed["state"] = _settle_retried(conn, run_id)
             deps.restore_after_retry(conn, run_id)
-            conn.execute(q("notify_queue"))
+            if changed["state"] == "queued":
+                conn.execute(q("notify_queue"))
     if changed is None:
         raise _retry_refusal(conn, _get(conn, run_id))
     return changed
+
+
+def _settle_retried(conn: Conn, run_id: int) -> str:
+    settled = deps.settle(conn, [run_id])
+    if run_id in settled.doomed:  # raised inside the transaction: nothing changes
+        blockers = deps.failed_upstreams(conn, run_id)
+        named = ", ".join(f"run {b['id']} ({b['job']}, {b['state']})" for b in blockers)
+        raise Conflict(f"run {run_id} cannot run while its upstream {named or 'runs'}"
+                       f" {'has' if len(blockers) == 1 else 'have'} not succeeded:"
+                       f" retry {'that run' if len(blockers) == 1 else 'those runs'} first")
+    return "queued" if run_id in settled.queued else "pending"
 
 
 def _retry_refusal(conn: Conn, run: Row) -> PgflowError:
@@ -211,7 +245,8 @@ def cancel(conn: Conn, run_id: int) -> Row:
     with conn.transaction():
         changed = conn.execute(q("run_cancel"), {"id": run_id, "now": None}).fetchone()
         if changed is not None and changed["state"] == "cancelled":
-            deps.fail_downstreams(conn, [run_id])
+            settled = deps.fail_downstreams(conn, [run_id])
+            backfill.complete(conn, settled.backfills | {changed["backfill_id"]} - {None})
     if changed is None:
         raise _cancel_refusal(_get(conn, run_id))
     requested = changed["state"] == "running"

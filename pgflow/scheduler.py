@@ -12,11 +12,18 @@ scheduler ran are seen on restart and handled by the job's ``catchup`` policy.
 
 Time is the database's: ``now()`` of the pass's transaction, or a pinned
 ``now`` in tests.
+
+Bounded work. One pass (one transaction) creates at most about
+``MAX_RUNS_PER_PASS`` runs: each due job's ticks are weighted by the size of the
+DAG run they start, and jobs beyond the budget stay due, untouched, for the next
+pass. A large ``catchup = "all"`` backlog is therefore many short transactions,
+and ``run_once`` calls ``before_pass`` (the leader's heartbeat) before each one,
+so a leader busy with a backlog keeps its term.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import lru_cache
@@ -26,6 +33,7 @@ from typing import Any
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
+from pgflow import deps
 from pgflow.cron import CronError, CronSchedule, parse_cron
 from pgflow.queries import q
 
@@ -38,8 +46,12 @@ MISFIRE_GRACE = timedelta(seconds=60)
 # follows in later passes.
 MAX_TICKS_PER_PASS = 1000
 
+# Runs one pass (one transaction) creates at most, give or take one job's ticks: a
+# pass stays well under a second, so the leader heartbeats often enough.
+MAX_RUNS_PER_PASS = 5000
+
 # Passes one run_once call makes while passes come back full; the leader calls again
-# right away if work is left, heartbeating in between.
+# right away if work is left, heartbeating between passes.
 MAX_PASSES = 50
 
 _ONE_MICROSECOND = timedelta(microseconds=1)
@@ -129,17 +141,31 @@ class _Plan:
     next_times: list[datetime | None] = field(default_factory=list)
     fired: int = 0
     broken: list[str] = field(default_factory=list)
+    # Work remains: due jobs past the budget, or a backlog that is still due.
+    left_out: bool = False
+    still_due: bool = False
 
 
-def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime) -> _Plan:
-    """Plan a batch of due job rows; identical schedules in the batch are planned once."""
+def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime,
+                budget: int = MAX_RUNS_PER_PASS) -> _Plan:
+    """Plan a batch of due job rows, creating about ``budget`` runs at most (a tick of a
+    job weighs the runs of the DAG run it starts); identical schedules are planned once.
+    Jobs past the budget are left out: they stay due, untouched, for the next pass."""
     plan = _Plan()
-    memo: dict[tuple[str, str, datetime, str], tuple[list[datetime], datetime]] = {}
+    memo: dict[tuple[str, str, datetime, str, int], tuple[list[datetime], datetime]] = {}
     for row in rows:
-        key = (row["schedule"], row["timezone"], row["next_fire_at"], row["catchup"])
+        if budget <= 0:
+            plan.left_out = True
+            break
+        weight = max(1, row.get("dag_runs", 1))
+        # Only catchup = "all" can resume a backlog where it stopped; the other policies
+        # fire few ticks and move past now, so they always get their full share.
+        cap = (max(1, min(MAX_TICKS_PER_PASS, budget // weight)) if row["catchup"] == "all"
+               else MAX_TICKS_PER_PASS)
+        key = (row["schedule"], row["timezone"], row["next_fire_at"], row["catchup"], cap)
         try:
             if key not in memo:
-                memo[key] = plan_fires(*key, now)
+                memo[key] = plan_fires(*key[:4], now, cap)
             fires, next_fire_at = memo[key]
         except (CronError, ValueError):
             plan.broken.append(row["name"])
@@ -148,6 +174,8 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime) -> _Plan:
             continue
         plan.names.append(row["name"])
         plan.next_times.append(next_fire_at)
+        budget -= len(fires) * weight
+        plan.still_due = plan.still_due or next_fire_at <= now
         if row["in_dag"]:
             plan.dag_jobs += [row["name"]] * len(fires)
             plan.dag_times += fires
@@ -159,19 +187,23 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime) -> _Plan:
 
 
 async def run_once(
-    conn: AsyncConnection[Any], now: datetime | None = None, batch: int = 2500
+    conn: AsyncConnection[Any], now: datetime | None = None, batch: int = 2500, *,
+    before_pass: Callable[[], Awaitable[None]] | None = None,
 ) -> SchedulePass:
-    """Create the runs of every due tick, ``batch`` jobs per transaction.
+    """Create the runs of every due tick, ``batch`` jobs and about ``MAX_RUNS_PER_PASS``
+    runs per transaction.
 
-    Passes repeat while they come back full (up to ``MAX_PASSES``), so a burst of
-    10,000 jobs due at the same instant is handled within one call. ``now`` pins
-    the clock (tests); by default each pass uses the database's ``now()``.
+    Passes repeat while work remains (up to ``MAX_PASSES``), so a burst of 10,000 jobs
+    due at the same instant is handled within one call; ``before_pass`` is awaited
+    before each pass (the leader's heartbeat: it raises to stop). ``now`` pins the
+    clock (tests); by default each pass uses the database's ``now()``.
     """
     result = SchedulePass()
     while result.passes < MAX_PASSES:
-        due = await _one_pass(conn, now, batch, result)
+        if before_pass is not None:
+            await before_pass()
+        result.more = await _one_pass(conn, now, batch, result)
         result.passes += 1
-        result.more = due >= batch
         if not result.more:
             break
     return result
@@ -179,7 +211,8 @@ async def run_once(
 
 async def _one_pass(
     conn: AsyncConnection[Any], now: datetime | None, batch: int, result: SchedulePass
-) -> int:
+) -> bool:
+    """One transaction; returns whether due work remains."""
     async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(q("scheduler_now"), {"now": now})
         clock = await cur.fetchone()
@@ -188,7 +221,7 @@ async def _one_pass(
         await cur.execute(q("due_jobs"), {"now": pass_now, "batch": batch})
         rows = await cur.fetchall()
         if not rows:
-            return 0
+            return False
         plan = _plan_batch(rows, pass_now)
         created = 0
         if plan.run_jobs:
@@ -202,11 +235,17 @@ async def _one_pass(
                 "jobs": plan.dag_jobs, "times": plan.dag_times, "trigger": "schedule",
                 "params": None, "downstream": True, "state": "queued", "priority_offset": 0,
                 "backfill_id": None})
-            created += cur.rowcount
-        await cur.execute(q("advance_jobs"), {"names": plan.names, "times": plan.next_times},
-                          binary=True)
-    result.jobs_due += len(rows)
+            dag_runs = await cur.fetchall()
+            created += len(dag_runs)
+            # Downstream runs whose upstreams already ran at that tick (a trigger with
+            # --no-downstream, another root's backfill) go ahead in this transaction.
+            await deps.settle_async(conn, [r["id"] for r in dag_runs if r["state"] == "pending"],
+                                    fresh=[r["id"] for r in dag_runs])
+        if plan.names:
+            await cur.execute(q("advance_jobs"), {"names": plan.names,
+                                                  "times": plan.next_times}, binary=True)
+    result.jobs_due += len(plan.names)
     result.jobs_fired += plan.fired
     result.runs_created += created
     result.broken += plan.broken
-    return len(rows)
+    return len(rows) >= batch or plan.left_out or plan.still_due

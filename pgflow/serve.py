@@ -6,6 +6,14 @@ running attempts finish for ``grace`` seconds, then interrupts the rest and puts
 their runs straight back in the queue (outcome ``interrupted``, no attempt used
 up), so a rolling deploy never waits for a lease to expire. A second signal
 skips the grace.
+
+Secrets: once its settings are loaded, the replica takes pgflow's and libpq's
+variables out of its own environment (``pgflow.environment``): the database URL
+keeps what libpq would have read from them, the web role gets the session key
+passed in, and Python jobs, which run in this process, no longer find them in
+``os.environ``. Commands run under the replica's supervisor process
+(``pgflow.supervisor``), started at the first command and let go at the end of the
+shutdown, which kills whatever command still runs.
 """
 
 from __future__ import annotations
@@ -16,17 +24,18 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pgflow import reaper
-from pgflow.config import Settings
+from pgflow import environment, health, reaper, supervisor
+from pgflow.config import DEFAULT_RETENTION_S, Settings
 from pgflow.errors import PgflowError
 from pgflow.leader import run_scheduler
 from pgflow.log import get_logger
 from pgflow.replica import Replica, run_heartbeat
 from pgflow.web import run_web
+from pgflow.web.auth import load_secret
 from pgflow.worker import Worker
 
 
@@ -39,7 +48,11 @@ class ServeOptions:
     lease_ttl: float
     bind: str
     settings: Settings
+    retention: float = DEFAULT_RETENTION_S  # finished runs are pruned by the leader after this
     web_required: bool = True  # False when web is only one of the default roles
+    health_bind: str | None = None  # /healthz and /readyz without the web role (pgflow.health)
+    # PGFLOW_SECRET_KEY as it was before the environment was scrubbed (see serve)
+    secret_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def serve(options: ServeOptions) -> None:
@@ -47,7 +60,7 @@ def serve(options: ServeOptions) -> None:
     # Entrypoints name modules relative to where the replica runs, as with `pgflow apply`.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    failure = asyncio.run(_serve(options))
+    failure = asyncio.run(_serve(hide_secrets(options)))
     if any(t.name.startswith("pgflow-job") and t.is_alive() for t in threading.enumerate()):
         # A sync job that ignores ctx.cancelled would hold the exit (the interpreter joins
         # pool threads at exit); its run is already back in the queue, so leave now.
@@ -58,6 +71,15 @@ def serve(options: ServeOptions) -> None:
         os._exit(1 if failure else 0)
     if failure:
         raise PgflowError(failure)
+
+
+def hide_secrets(options: ServeOptions) -> ServeOptions:
+    """Take pgflow's and libpq's variables out of ``os.environ`` (jobs must not see
+    them); the options returned carry what the replica still needs of them."""
+    url = environment.pin_libpq(options.url, os.environ)
+    key = {k: os.environ[k] for k in ("PGFLOW_SECRET_KEY",) if k in os.environ}
+    environment.scrub(os.environ)
+    return replace(options, url=url, secret_env={**key, **options.secret_env})
 
 
 async def _serve(options: ServeOptions) -> str | None:
@@ -74,14 +96,16 @@ async def _serve(options: ServeOptions) -> str | None:
         options.url, replica, options.lease_ttl, stop, stopping, log), stop, log)]
     if "scheduler" in options.roles:
         tasks.append(_supervised("scheduler", lambda: run_scheduler(
-            options.url, replica.id, options.lease_ttl, stop_scheduling, log),
+            options.url, replica.id, options.lease_ttl, stop_scheduling, log,
+            retention_s=options.retention),
             stop_scheduling, log))
     if "reaper" in options.roles:
         tasks.append(_supervised("reaper", lambda: reaper.run_reaper(
             options.url, options.lease_ttl, stop, log), stop, log))
     if "web" in options.roles:
         web = _supervised("web", lambda: run_web(
-            options.url, options.settings, options.bind, stop, log), stop, log)
+            options.url, options.settings, options.bind, stop, log,
+            secret=load_secret(options.settings.home, options.secret_env)), stop, log)
         web.add_done_callback(
             lambda task: _web_ended(task, shutdown if options.web_required else None, failed,
                                     log))
@@ -89,6 +113,8 @@ async def _serve(options: ServeOptions) -> str | None:
     if "worker" in options.roles:
         worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
         worker.start()
+    if options.health_bind:
+        tasks.append(health.start(options, tasks, worker, stopping, stop, log))
     _on_signals(shutdown, worker, log)
     log.info("replica started", roles=list(options.roles), concurrency=replica.concurrency,
              pid=replica.pid)
@@ -99,6 +125,7 @@ async def _serve(options: ServeOptions) -> str | None:
     stop_scheduling.set()
     if worker is not None:
         await worker.drain(options.grace)
+    supervisor.close_for_loop()
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     log.info("replica stopped")

@@ -146,14 +146,16 @@ class _Problems(ValueError):
 
 
 class SpecError(BaseModel):
-    """One problem with one job: reported as ``job 'x': key: reason``."""
+    """One problem with one definition: reported as ``job 'x': key: reason`` (or
+    ``tenant 'x'``, ``source 'x'``: ``kind`` says which table it is from)."""
 
     job: str
     key: str | None
     reason: str
+    kind: str = "job"
 
     def __str__(self) -> str:
-        where = f"job {self.job!r}" + (f": {self.key}" if self.key else "")
+        where = f"{self.kind} {self.job!r}" + (f": {self.key}" if self.key else "")
         return f"{where}: {self.reason}"
 
 
@@ -176,6 +178,9 @@ def _did_you_mean(key: str, options: list[str]) -> str:
     close = difflib.get_close_matches(key, options, n=1, cutoff=0.6)
     hint = f", did you mean {close[0]!r}?" if close else f" (known keys: {', '.join(options)})"
     return f"unknown key{hint}"
+
+
+did_you_mean = _did_you_mean
 
 
 def _describe(job: str, error: Any) -> list[SpecError]:

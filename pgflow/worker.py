@@ -7,22 +7,57 @@ dedicated async connections. A thousand sleeping runs cost a thousand tasks, not
 a thousand threads or processes, and nothing needs locks: state lives on the
 loop.
 
-Four loops share a replica's worker state:
-- claim: one ``claim_runs`` statement per wake-up, sized to the free slots; woken
-  by NOTIFY ``pgflow_queue``, by a freed slot, or every second at the latest;
+Five loops share a replica's worker state:
+- claim: one ``claim_runs`` statement per wake-up, sized to the free slots (tenants
+  share them by weight: pgflow/policies.py); woken by NOTIFY ``pgflow_queue``, by a
+  freed slot, or every second at the latest. Capped jobs (a ``max_active_runs``, a
+  capped tenant or source) are looked at twice a second, or on every wake-up while
+  some wait: their runs that are not of lower priority than the best claimable
+  uncapped run are claimed first, the others after the uncapped claim; at the same
+  cadence, half-open breakers get their one probe run (pgflow/breakers.py);
 - complete: results are buffered and written by one ``finish_attempts`` statement
   per flush; while a flush is in flight the next batch gathers (group commit),
   so latency is one round-trip when idle and batches grow under load;
-- heartbeat: every TTL/3 one ``renew_leases`` statement renews every lease this
-  worker holds. A run that is not returned was taken from us (the reaper saw the
-  lease expire): its attempt is stopped and its result dropped (fencing);
+- heartbeat: every TTL/3 one ``renew_leases`` statement renews exactly the
+  (run, attempt) pairs this worker holds. A pair that is not returned was taken
+  from us (the reaper saw the lease expire): its attempt is stopped and its result
+  dropped (fencing);
+- fence: stops every attempt whose local lease deadline passed (below);
 - listen: NOTIFY ``pgflow_cancel`` stops a running attempt at once.
+
+Leases, as this worker keeps them:
+- The books are keyed by (run id, attempt): ``active`` holds the attempts that
+  execute, ``_unrecorded`` the ended ones whose result is not written yet; both
+  are renewed. When a claim returns a run whose older attempt still executes here
+  (our lease on it was lost and the run came back to us), the old attempt is
+  stopped and the new one starts only once it ended.
+- Self-fencing: each held attempt has a local deadline, the ``time.monotonic()``
+  taken just before sending the claim or the last renewal that covered it, plus
+  the TTL. The database computed its expiry from a later instant, so the local
+  deadline is never later. When it passes unrenewed (the database unreachable, or
+  silent), the fence loop stops the attempt as ``lost`` by itself; the supervisor
+  of a command gets the same deadline (``Execution.extend``) and kills it even if
+  this process is frozen. Every statement is bounded (``db.bounded``), so no loop
+  hangs on a dead socket, and the sessions carry server-side timeouts and TCP
+  keepalives (``db.connect_async``).
+- A claim whose reply never arrived (the connection died after the commit) leaves
+  runs that the database says we own but that we never saw. A heartbeat sent while
+  no claim is in flight (claims and such heartbeats take turns on ``_claim_gate``)
+  gives them back: queued again, no attempt used up (``renew_leases``).
+- A sync job runs in a thread, and Python cannot kill a thread. On a timeout or a
+  stop the attempt ends at once (recorded ``timed_out``, ``cancelled``...) and the
+  job is told through ``ctx.cancelled``; if it ignores that, its thread runs on and
+  keeps its slot (``_abandoned``) until the function returns, so the worker never
+  claims a sync run that would wait for a free thread. What cannot be made to
+  happen: the function stopping, or its side effects after the timeout being
+  prevented. Jobs that must be killable belong in a ``command`` (a process group).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,25 +66,40 @@ from typing import Any
 
 import psycopg
 
-from pgflow import queue, retry
-from pgflow.db import connect_async
+from pgflow import breakers, queue, retry
+from pgflow.db import StatementTimeout, bounded, connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.log import LazyLogger
+from pgflow.queries import q
 from pgflow.queue import Finish
 
 POLL_S = 1.0
 CAPPED_CHECK_S = 0.5
+LISTEN_PING_S = 5.0
 _SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
 MAX_FLUSH = 5000
+# Results per finish statement are bounded by size too: 5,000 results with 128 KiB of
+# output each would not fit in one parameter (PostgreSQL's jsonb stops at 256 MB).
+MAX_FLUSH_CHARS = 8 * 1024 * 1024
+
+Key = tuple[int, int]  # (run id, attempt): what a lease is on
 
 
 @dataclass
 class Held:
+    """One attempt this worker executes under its lease."""
+
     row: dict[str, Any]
     execution: Execution
-    claimed_at: float
+    deadline: float  # time.monotonic() by which the lease could have expired
+    replaces: Held | None = None  # an older attempt of the run, stopped before this starts
     task: asyncio.Task[None] | None = field(default=None)
+    self_fenced: bool = False  # stopped by its own deadline, not by the database
+
+    @property
+    def key(self) -> Key:
+        return (self.row["id"], self.row["attempt"])
 
 
 class Worker:
@@ -60,27 +110,38 @@ class Worker:
         self.concurrency = concurrency
         self.ttl = lease_ttl
         self.log = log
-        self.active: dict[int, Held] = {}
+        self.active: dict[Key, Held] = {}
+        self._newest: dict[int, Held] = {}  # run id -> its newest attempt in ``active``
+        self._unrecorded: set[Key] = set()  # ended, result not written yet: still renewed
+        self._abandoned = 0  # sync jobs' threads running on after their attempt ended
         self._results: list[Finish] = []
         self._wake = asyncio.Event()
         self._flush = asyncio.Event()
         self._flushing = asyncio.Lock()
+        self._claim_gate = asyncio.Lock()
+        self._fence_wake = asyncio.Event()
+        self._fence_at = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
         self._claiming = True
         self._hurry = asyncio.Event()
-        self._capped_seen = False
+        self._capped_seen = True  # until the first look says otherwise
         self._capped_checked = 0.0
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="pgflow-job")
         self._loops: list[asyncio.Task[None]] = []
+        # Statements are bounded on the client (a silent socket) and on the server.
+        self._statement_s = max(1.0, lease_ttl)
+        self._bound_s = self._statement_s + 2.0
+        self._beat_bound_s = max(0.5, lease_ttl / 3)
+        self._fence_margin_s = min(1.0, lease_ttl / 10)
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self._loops = [asyncio.create_task(self._supervise(loop), name=f"worker-{loop.__name__}")
                        for loop in (self._claim_loop, self._complete_loop, self._heartbeat_loop,
-                                    self._listen_loop)]
+                                    self._fence_loop, self._listen_loop)]
 
     async def _supervise(self, loop: Callable[[], Awaitable[None]]) -> None:
         """Database errors are handled inside each loop; anything else is a bug that must not
@@ -120,35 +181,98 @@ class Worker:
         """Cut a drain's grace short (a second SIGTERM)."""
         self._hurry.set()
 
+    def free_slots(self) -> int:
+        """Attempts this worker may start now: executing attempts and the threads of
+        abandoned sync jobs take a slot each."""
+        return self.concurrency - len(self.active) - self._abandoned
+
+    async def _connect(self) -> psycopg.AsyncConnection[Any]:
+        return await connect_async(self.url, "worker", statement_timeout=self._statement_s,
+                                   connect_timeout=min(10.0, self._bound_s))
+
     # ------------------------------------------------------------ claim
 
     async def _claim_loop(self) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
         failures = 0
         while self._claiming:
-            free = min(self.concurrency - len(self.active), MAX_CLAIM)
+            free = min(self.free_slots(), MAX_CLAIM)
             if free <= 0:
                 await _wait(self._wake, POLL_S)
                 continue
             try:
-                conn = conn or await _connect(self.url)
+                conn = conn or await self._connect()
                 self._wake.clear()
-                rows = await queue.claim(conn, self.id, free, self.ttl)
-                for row in rows:
-                    self._start(row)
-                if len(rows) < free and self._capped_due():
-                    capped = await queue.claim_capped(conn, self.id, free - len(rows), self.ttl)
-                    self._capped_seen = bool(capped)
-                    for row in capped:
-                        self._start(row)
-                    rows += capped
+                async with self._claim_gate:
+                    claimed = await self._claim(conn, free)
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("claim", exc, conn, failures)
                 continue
-            if len(rows) < free and self._claiming:
+            if claimed < free and self._claiming:
                 await _wait(self._wake, POLL_S)
         await _close(conn)
+
+    async def _claim(self, conn: psycopg.AsyncConnection[Any], free: int) -> int:
+        """Claim up to ``free`` runs and start them; returns how many.
+
+        While capped runs are known to wait, they are looked at first and those not of
+        lower priority than the best uncapped run are claimed before the uncapped claim
+        (a capped run of high priority must not wait behind uncapped work of lower
+        priority); the other capped runs take the slots the uncapped claim left. The
+        periodic look for new capped runs comes after the uncapped claim, so an idle
+        worker's wake-up is not delayed by it: a capped run that appears meanwhile waits
+        at most that one claim. The uncapped claim stays one statement."""
+        due = self._capped_due()
+        started = 0
+        waiting = None
+        if due and self._capped_seen:
+            waiting = await self._look_capped(conn)
+            if first := waiting.before_uncapped():
+                started += await self._claim_capped(conn, first, free, waiting.uncapped_priority)
+        if started < free:
+            sent = time.monotonic()
+            rows = await bounded(conn, queue.claim(conn, self.id, free - started, self.ttl),
+                                 self._bound_s, "claim")
+            started += self._start_all(rows, sent)
+        rest: list[str] = []
+        if due and waiting is None:
+            waiting = await self._look_capped(conn)
+            rest = [job for job, _ in waiting.jobs]
+        elif waiting is not None and waiting.uncapped_priority is not None:
+            rest = [job for job, _ in waiting.jobs]  # the first capped claim took them all
+        if started < free and rest:
+            started += await self._claim_capped(conn, rest, free - started, None)
+        if due and started < free:
+            started += await self._claim_probes(conn, free - started)
+        return started
+
+    async def _claim_probes(self, conn: psycopg.AsyncConnection[Any], limit: int) -> int:
+        """Half-open breakers' probe runs (one per breaker, cluster-wide; breakers.py),
+        looked for at the capped cadence: one cheap look while every breaker is closed."""
+        if not await bounded(conn, breakers.probe_wanted(conn), self._bound_s, "claim"):
+            return 0
+        sent = time.monotonic()
+        rows = await bounded(conn, breakers.claim_probes(conn, self.id, limit, self.ttl),
+                             self._bound_s, "claim")
+        for row in rows:
+            self.log.info("probe run claimed for a half-open breaker", run_id=row["id"],
+                          job=row["job"])
+        return self._start_all(rows, sent)
+
+    async def _look_capped(self, conn: psycopg.AsyncConnection[Any]) -> queue.CappedWaiting:
+        waiting = await bounded(conn, queue.capped_waiting(conn), self._bound_s, "claim")
+        self._capped_seen = bool(waiting.jobs)
+        return waiting
+
+    async def _claim_capped(self, conn: psycopg.AsyncConnection[Any], jobs: list[str],
+                            limit: int, min_priority: int | None) -> int:
+        if not jobs:
+            return 0
+        sent = time.monotonic()
+        rows = await bounded(conn, queue.claim_capped(conn, self.id, jobs, limit, self.ttl,
+                                                      min_priority), self._bound_s, "claim")
+        return self._start_all(rows, sent)
 
     def _capped_due(self) -> bool:
         """Capped runs are looked for when the last look found some, else twice a second:
@@ -159,34 +283,78 @@ class Worker:
             return True
         return False
 
-    def _start(self, row: dict[str, Any]) -> None:
+    def _start_all(self, rows: list[dict[str, Any]], sent: float) -> int:
+        for row in rows:
+            self._start(row, sent + self.ttl)
+        return len(rows)
+
+    def _start(self, row: dict[str, Any], deadline: float) -> None:
+        if row["cancel_requested"]:
+            # Cancelled before it began: nothing is started, the run ends cancelled.
+            self._record(Finish(run_id=row["id"], attempt=row["attempt"], owner=self.id,
+                                state=retry.CANCELLED, outcome=retry.CANCELLED,
+                                started_at=row["attempt_started_at"],
+                                error="cancel requested before the attempt started"))
+            return
         job = Job(run_id=row["id"], job=row["job"], logical_time=row["logical_time"],
                   attempt=row["attempt"], params=row["params"], command=row["command"],
                   entrypoint=row["entrypoint"], timeout_s=row["timeout_s"])
         log = LazyLogger(self.log, run_id=job.run_id, job=job.job, attempt=job.attempt)
-        held = Held(row, Execution(job, log, self._threads), time.monotonic())
-        if row["cancel_requested"]:
-            held.execution.stop(retry.CANCELLED)
-        self.active[job.run_id] = held
+        execution = Execution(job, log, self._threads, deadline=deadline)
+        held = Held(row, execution, deadline, replaces=self._newest.get(job.run_id))
+        if held.replaces is not None:
+            log.warning("run claimed again while its older attempt still runs here:"
+                        " stopping that one first", older_attempt=held.replaces.row["attempt"])
+            held.replaces.execution.stop(retry.LOST)
+        self.active[held.key] = held
+        self._newest[job.run_id] = held
         self._idle.clear()
+        if deadline - self._fence_margin_s < self._fence_at:
+            self._fence_wake.set()
         held.task = asyncio.create_task(self._execute(held))
 
     async def _execute(self, held: Held) -> None:
+        older = held.replaces
+        held.replaces = None
+        if older is not None and older.task is not None:
+            # Never two attempts of one run at once here (unless the old one refuses to end).
+            await asyncio.wait({older.task}, timeout=KILL_GRACE_S + 5)
         try:
             result = await held.execution.run()
         except Exception as exc:
             held.execution.logger.exception("internal error while running the attempt")
             result = AttemptResult(retry.FAILED, error=f"internal error: {exc!r}")
-        run_id = held.row["id"]
-        self.active.pop(run_id, None)
+        self._ended(held)
+        if held.execution.stop_outcome == retry.LOST and not held.self_fenced:
+            held.execution.logger.warning("lease lost: attempt stopped, result discarded")
+            return
+        finish = self._finish_for(held.row, result)
+        if held.self_fenced and finish.outcome == retry.LOST:
+            # The database may still hold our lease (it only went silent): say so there.
+            finish = dataclasses.replace(
+                finish, error="lease not renewed in time (database unreachable):"
+                              " attempt stopped by its worker, result discarded")
+        self._record(finish)
+
+    def _ended(self, held: Held) -> None:
+        """Take an attempt that stopped executing off the books (its thread may not)."""
+        self.active.pop(held.key, None)
+        if self._newest.get(held.key[0]) is held:
+            del self._newest[held.key[0]]
+        thread = held.execution.thread
+        if thread is not None and not thread.done():
+            held.execution.logger.warning("sync job ignores cancellation: its thread keeps a"
+                                          " slot until it returns")
+            self._abandoned += 1
+            loop = asyncio.get_running_loop()
+            thread.add_done_callback(lambda _: _call_soon(loop, self._thread_returned))
         if not self.active:
             self._idle.set()
         self._wake.set()
-        if held.execution.stop_outcome == retry.LOST:
-            held.execution.logger.warning("lease lost: attempt stopped, result discarded")
-            return
-        self._results.append(self._finish_for(held.row, result))
-        self._flush.set()
+
+    def _thread_returned(self) -> None:
+        self._abandoned -= 1
+        self._wake.set()
 
     def _finish_for(self, row: dict[str, Any], result: AttemptResult) -> Finish:
         if result.outcome == retry.SUCCEEDED:  # the common case, kept cheap
@@ -199,11 +367,22 @@ class Worker:
                                       row["no_retry_exit_codes"])
             decision = retry.decide(result.outcome, row["attempt"], row["max_attempts"], policy,
                                     exit_code=result.exit_code, permanent=result.permanent)
+        sources = tuple(row.get("sources") or ())
+        unavailable: tuple[str, ...] = ()
+        if result.outcome == retry.FAILED and result.exit_code == retry.EX_TEMPFAIL:
+            # SourceUnavailable("x") names one source; exit 75 means every source of the job
+            unavailable = (result.unavailable_source,) if result.unavailable_source else sources
         return Finish(run_id=row["id"], attempt=row["attempt"], owner=self.id,
                       state=decision.state, outcome=result.outcome,
                       started_at=row["attempt_started_at"], delay_s=decision.delay_s,
                       exit_code=result.exit_code, error=result.error,
-                      stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail)
+                      stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
+                      sources=sources, unavailable=unavailable)
+
+    def _record(self, finish: Finish) -> None:
+        self._unrecorded.add((finish.run_id, finish.attempt))
+        self._results.append(finish)
+        self._flush.set()
 
     # ------------------------------------------------------------ complete
 
@@ -214,7 +393,7 @@ class Worker:
             await self._flush.wait()
             self._flush.clear()
             try:
-                conn = conn or await _connect(self.url)
+                conn = conn or await self._connect()
                 await self._flush_once(conn)
                 failures = 0
             except psycopg.Error as exc:
@@ -224,15 +403,65 @@ class Worker:
     async def _flush_once(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with self._flushing:  # the drain and the complete loop may both flush
             while self._results:
-                batch = self._results[:MAX_FLUSH]
-                del self._results[: len(batch)]
+                batch = self._next_batch()
                 try:
-                    done = await queue.finish(conn, batch)
+                    await self._write(conn, batch)
                 except BaseException:
-                    self._results[:0] = batch
+                    # Put back what is not recorded yet (a split batch may be half done).
+                    self._results[:0] = [f for f in batch
+                                         if (f.run_id, f.attempt) in self._unrecorded]
                     raise
-                for finish in batch:
-                    self._report(finish, done.get(finish.run_id))
+
+    def _next_batch(self) -> list[Finish]:
+        count, size = 0, 0
+        for finish in self._results:
+            size += queue.result_size(finish)
+            if count and (count >= MAX_FLUSH or size > MAX_FLUSH_CHARS):
+                break
+            count += 1
+        batch = self._results[:count]
+        del self._results[:count]
+        return batch
+
+    async def _write(self, conn: psycopg.AsyncConnection[Any], batch: list[Finish]) -> None:
+        """Record ``batch``. When the database refuses it while the connection stays
+        healthy, the batch itself is at fault (too big, a value it cannot store): it is
+        split in halves, and a result refused alone is recorded with less of its output,
+        so one poisonous result cannot hold back the others forever."""
+        try:
+            done = await bounded(conn, queue.finish(conn, batch), self._bound_s, "finish")
+        except psycopg.Error as exc:
+            if conn.closed or conn.broken or not _refusal(exc):
+                raise  # the connection's or the moment's trouble: retry the batch as is
+            await self._refused(conn, batch, exc)
+            return
+        for finish in batch:
+            self._unrecorded.discard((finish.run_id, finish.attempt))
+            self._report(finish, done.get(finish.run_id))
+
+    async def _refused(self, conn: psycopg.AsyncConnection[Any], batch: list[Finish],
+                       exc: psycopg.Error) -> None:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if len(batch) > 1:
+            self.log.warning("finish batch refused by the database; splitting it",
+                             results=len(batch), error=reason)
+            half = len(batch) // 2
+            await self._write(conn, batch[:half])
+            await self._write(conn, batch[half:])
+            return
+        [finish] = batch
+        smaller = queue.shrunk(finish, reason)
+        fields = {"run_id": finish.run_id, "attempt": finish.attempt, "error": reason}
+        if smaller is None:
+            # Nothing left to drop: not this result's content. Its lease will expire and
+            # the reaper will record the attempt as lost.
+            self.log.error("result refused by the database even without its output;"
+                           " dropping it", **fields)
+            self._unrecorded.discard((finish.run_id, finish.attempt))
+            return
+        self.log.warning("result refused by the database; recording it with less output",
+                         **fields)
+        await self._write(conn, [smaller])
 
     def _report(self, finish: Finish, state: str | None) -> None:
         fields = {"run_id": finish.run_id, "attempt": finish.attempt, "outcome": finish.outcome}
@@ -249,7 +478,7 @@ class Worker:
         conn: psycopg.AsyncConnection[Any] | None = None
         while (self._results or self._flushing.locked()) and time.monotonic() < deadline:
             try:
-                conn = conn or await _connect(self.url)
+                conn = conn or await self._connect()
                 await self._flush_once(conn)
             except psycopg.Error as exc:
                 conn, _ = await self._db_error("final flush", exc, conn, 1)
@@ -265,24 +494,69 @@ class Worker:
         failures = 0
         while True:
             try:
-                conn = conn or await _connect(self.url)
-                sent = time.monotonic()
-                rows = await queue.renew(conn, self.id, self.ttl)
-                self._fence({row["id"]: row for row in rows}, sent)
+                conn = conn or await self._connect()
+                await self._beat(conn)
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("heartbeat", exc, conn, failures)
                 continue
             await asyncio.sleep(self.ttl / 3)
 
-    def _fence(self, still_ours: dict[int, dict[str, Any]], sent: float) -> None:
-        for run_id, held in list(self.active.items()):
-            row = still_ours.get(run_id)
-            if row is None or row["attempt"] != held.row["attempt"]:
-                if held.claimed_at < sent:  # claimed after the renewal started: not yet seen
-                    held.execution.stop(retry.LOST)
-            elif row["cancel_requested"]:
+    async def _beat(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """One renewal of exactly the attempts held now. It gives back unheld runs only
+        if it holds the claim gate: a claim in flight may have committed runs that are
+        not in the books yet."""
+        release = await _acquire(self._claim_gate, timeout=min(1.0, self.ttl / 10))
+        try:
+            held = [*self.active, *self._unrecorded]
+            sent = time.monotonic()
+            renewal = await bounded(conn, queue.renew(conn, self.id, self.ttl, held, release),
+                                    self._beat_bound_s, "heartbeat")
+        finally:
+            if release:
+                self._claim_gate.release()
+        self._renewed(held, renewal, sent + self.ttl)
+
+    def _renewed(self, sent: list[Key], renewal: queue.Renewal, deadline: float) -> None:
+        ours = {(row["id"], row["attempt"]): row for row in renewal.renewed}
+        for key in sent:
+            held = self.active.get(key)
+            if held is None:
+                continue  # ended meanwhile: its finish statement is fenced by itself
+            row = ours.get(key)
+            if row is None:
+                held.execution.stop(retry.LOST)
+                continue
+            held.deadline = deadline
+            held.execution.extend(deadline)
+            if row["cancel_requested"]:
                 held.execution.stop(retry.CANCELLED)
+        if renewal.released:
+            self.log.warning("gave back runs claimed for this worker whose claim reply never"
+                             " arrived", runs=[(r["id"], r["released"]) for r in renewal.released])
+
+    # ------------------------------------------------------------ fence
+
+    async def _fence_loop(self) -> None:
+        """Stop every attempt whose lease could expire: no renewal covered it for almost a
+        whole TTL. It acts a little early (``_fence_margin_s``) so that the stop, e.g. an
+        async job's cleanup, is over when the lease expires. Runs on the loop alone, so it
+        works while statements hang."""
+        while True:
+            now = time.monotonic()
+            nearest = now + self.ttl
+            for held in list(self.active.values()):
+                if held.execution.stop_outcome is not None:
+                    continue
+                if held.deadline - self._fence_margin_s <= now:
+                    held.self_fenced = True
+                    held.execution.stop(retry.LOST)
+                    held.execution.logger.warning("lease not renewed in time: attempt stopped")
+                else:
+                    nearest = min(nearest, held.deadline - self._fence_margin_s)
+            self._fence_at = nearest
+            self._fence_wake.clear()
+            await _wait(self._fence_wake, nearest - now)
 
     # ------------------------------------------------------------ listen
 
@@ -291,13 +565,15 @@ class Worker:
         while True:
             conn: psycopg.AsyncConnection[Any] | None = None
             try:
-                conn = await _connect(self.url)
-                await conn.execute("LISTEN pgflow_queue")
-                await conn.execute("LISTEN pgflow_cancel")
+                conn = await self._connect()
+                await bounded(conn, conn.execute(q("listen_worker")), self._bound_s, "listen")
                 self._wake.set()  # notifications may have been missed while disconnected
                 failures = 0
-                async for note in conn.notifies():
-                    self._on_notify(note.channel, note.payload)
+                while True:
+                    async for note in conn.notifies(timeout=LISTEN_PING_S):
+                        self._on_notify(note.channel, note.payload)
+                    # Quiet for a while: make sure the connection is alive, not silent.
+                    await bounded(conn, conn.execute(q("ping")), self._beat_bound_s, "listen")
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("listen", exc, conn, failures)
 
@@ -305,7 +581,7 @@ class Worker:
         if channel == "pgflow_queue":
             self._wake.set()
         elif channel == "pgflow_cancel" and payload.isdigit():
-            held = self.active.get(int(payload))
+            held = self._newest.get(int(payload))
             if held is not None:
                 held.execution.stop(retry.CANCELLED)
 
@@ -315,14 +591,22 @@ class Worker:
                         failures: int) -> tuple[None, int]:
         failures += 1
         self.log.warning(f"{what}: database error, retrying", error=str(exc).strip(),
-                         failures=failures)
+                         failures=failures, timeout=isinstance(exc, StatementTimeout))
         await _close(conn)
         await asyncio.sleep(min(5.0, 0.1 * 2**failures))
         return None, failures
 
 
-async def _connect(url: str) -> psycopg.AsyncConnection[Any]:
-    return await connect_async(url, "worker")
+# SQLSTATE classes that say nothing about the statement itself: connection, rollback
+# (deadlock, serialization), resources, lock not available, cancel (statement_timeout, a
+# lock wait), system errors. Retried as they are, later.
+_TRANSIENT = ("08", "40", "53", "55", "57", "58")
+
+
+def _refusal(exc: psycopg.Error) -> bool:
+    """The database refused the statement because of what it carried."""
+    state = exc.sqlstate or ""
+    return bool(state) and (state[:2] not in _TRANSIENT or state == "53200")  # out of memory
 
 
 async def _close(conn: psycopg.AsyncConnection[Any] | None) -> None:
@@ -334,3 +618,19 @@ async def _close(conn: psycopg.AsyncConnection[Any] | None) -> None:
 async def _wait(event: asyncio.Event, timeout: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), timeout=timeout)
+
+
+async def _acquire(lock: asyncio.Lock, timeout: float) -> bool:
+    """Take ``lock`` if it comes free within ``timeout``; True if taken."""
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout=timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """From another thread; the loop may be gone already (the replica exits)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback)
+

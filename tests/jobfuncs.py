@@ -62,3 +62,14 @@ def stubborn_sleep(ctx: Any) -> None:
     """A sync job that ignores ctx.cancelled (writes a marker first)."""
     Path(ctx.params["marker"]).write_text("started")
     time.sleep(float(ctx.params.get("seconds", 120)))
+
+
+async def source_down_while(ctx: Any) -> None:
+    """SourceUnavailable(params['source']) while the file params['down'] exists; records
+    'run_id attempt' in params['path'] (if given) either way."""
+    if "path" in ctx.params:
+        with open(ctx.params["path"], "a") as out:
+            out.write(f"{ctx.run_id} {ctx.attempt}\n")
+    await asyncio.sleep(float(ctx.params.get("seconds", 0)))
+    if Path(ctx.params["down"]).exists():
+        raise pgflow.SourceUnavailable(ctx.params.get("source", "crm"))

@@ -47,8 +47,10 @@ def child_env(url: str, home: Path) -> dict[str, str]:
     """The environment of a replica or CLI call: this database, jobfuncs importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGFLOW_")}
     path = [str(TESTS), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(":") if p]
+    # TEST_PGFLOW_DATABASE tags the replica's job processes (jobs never see PGFLOW_* nor
+    # PG* settings, but inherit the rest) so that a test can find and kill leftovers.
     env.update(PGFLOW_DATABASE_URL=url, PGFLOW_HOME=str(home), PYTHONPATH=":".join(path),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", TEST_PGFLOW_DATABASE=url)
     return env
 
 
@@ -57,7 +59,9 @@ class Replica:
 
     def __init__(self, url: str, workdir: Path, name: str, *,
                  roles: Iterable[str] = ALL_ROLES, concurrency: int = 4,
-                 lease_ttl: float = TTL, grace: str = "10s") -> None:
+                 lease_ttl: float = TTL, grace: str = "10s",
+                 env: dict[str, str] | None = None) -> None:
+        """``env``: variables set on top of ``child_env`` (an empty value unsets one)."""
         self.name = name
         self.url = url
         self.log_path = workdir / f"replica-{name}.log"
@@ -67,7 +71,10 @@ class Replica:
             args += ["--role", role]
         with open(self.log_path, "ab") as log:
             # A session of its own: the test's Ctrl-C or signals do not reach it by accident.
-            self.proc = subprocess.Popen(args, cwd=ROOT, env=child_env(url, workdir),
+            extra = env or {}
+            environ = {k: v for k, v in {**child_env(url, workdir), **extra}.items()
+                       if v or k not in extra}
+            self.proc = subprocess.Popen(args, cwd=ROOT, env=environ,
                                          stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
         self._id: str | None = None
@@ -235,8 +242,8 @@ def group_gone(pgid: int) -> bool:
 
 def command_processes(url: str) -> list[int]:
     """Live processes started by a replica for a run (they carry PGFLOW_RUN_ID) of the
-    database at ``url`` (PGFLOW_DATABASE_URL, inherited from the replica)."""
-    marker = b"PGFLOW_DATABASE_URL=" + url.encode() + b"\0"
+    database at ``url`` (TEST_PGFLOW_DATABASE, inherited from the replica)."""
+    marker = b"TEST_PGFLOW_DATABASE=" + url.encode() + b"\0"
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from drive import check_nothing_stuck, finish_run
 from engine import WorkerThread, add_job, start_dag, wait_for
 
-from pgflow import backfill, lineage
+from pgflow import backfill, lineage, runs
 from pgflow.errors import PgflowError
 
 Conn = psycopg.Connection[dict[str, Any]]
 START = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_stuck(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from check_nothing_stuck(request)
 
 
 def release(db_url: str) -> int:
@@ -143,3 +150,85 @@ def test_backfill_cli_spec_form(conn: Conn, db_url: str, monkeypatch: pytest.Mon
     assert run(["backfill", "daily"]) == 2
     assert run(["backfill", "daily", "--start", "2026-02-01", "--end", "2026-01-01"]) == 1
     assert capsys.readouterr().err.strip().endswith("--start must be before --end")
+
+
+def drain(conn: Conn, db_url: str, backfill_id: int, cap: int, rounds: int = 50) -> None:
+    """Release and run the backfill's runs like the leader and workers would, checking
+    the cap after every release, until it completes."""
+    for _ in range(rounds):
+        release(db_url)
+        active = conn.execute(
+            "SELECT count(*) AS n FROM pgflow.runs WHERE backfill_id = %s AND trigger ="
+            " 'backfill' AND state IN ('queued', 'running', 'retrying')",
+            (backfill_id,)).fetchone()
+        assert active is not None and active["n"] <= cap
+        queued = conn.execute("SELECT id FROM pgflow.runs WHERE backfill_id = %s AND"
+                              " state = 'queued' ORDER BY id", (backfill_id,)).fetchall()
+        if not queued:
+            break
+        for row in queued:
+            finish_run(db_url, conn, row["id"])
+    assert backfill.show(conn, backfill_id)["state"] == "completed"
+
+
+def test_downstream_backfill_of_a_two_root_dag_releases_every_root(conn: Conn,
+                                                                   db_url: str) -> None:
+    """Defect 1: the other root of each tick's DAG run is held with the backfill's id and
+    must be released (and counted against the cap) like the backfilled job's own runs."""
+    add_job(conn, "r1", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    add_job(conn, "r2", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    add_job(conn, "join", entrypoint="jobfuncs:noop", depends_on=["r1", "r2"])
+    made = backfill.create(conn, "r1", START, START + timedelta(hours=4), max_concurrency=2,
+                           downstream=True)
+    assert (made["ticks"], made["created"]) == (4, 4)
+    assert release(db_url) == 2  # two roots of the first tick, or one of each of two
+    drain(conn, db_url, made["id"], cap=2)
+    assert backfill.show(conn, made["id"])["counts"] == {"succeeded": 12}
+
+
+def test_downstream_backfill_over_ticks_that_already_ran(conn: Conn, db_url: str) -> None:
+    """Defect 2, first way in: a job added downstream later, then a backfill of its root
+    over ticks the root already ran. Nothing upstream will finish again, so the new runs
+    are ready at once; they are held and released within the backfill's cap."""
+    add_job(conn, "a", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    for hour in range(3):
+        finish_run(db_url, conn, runs.trigger(conn, "a", START + timedelta(hours=hour)))
+    add_job(conn, "late", entrypoint="jobfuncs:noop", depends_on=["a"])
+    made = backfill.create(conn, "a", START, START + timedelta(hours=3), max_concurrency=1,
+                           downstream=True)
+    assert (made["ticks"], made["created"], made["skipped"]) == (3, 0, 3)
+    held = conn.execute("SELECT state, trigger FROM pgflow.runs WHERE job = 'late'").fetchall()
+    assert held == [{"state": "pending", "trigger": "backfill"}] * 3
+    drain(conn, db_url, made["id"], cap=1)
+    assert backfill.show(conn, made["id"])["counts"] == {"succeeded": 3}
+
+
+def test_downstream_backfill_behind_failed_ticks_fails_those_runs(conn: Conn,
+                                                                  db_url: str) -> None:
+    add_job(conn, "a", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    finish_run(db_url, conn, runs.trigger(conn, "a", START), "failed")
+    add_job(conn, "late", entrypoint="jobfuncs:noop", depends_on=["a"])
+    made = backfill.create(conn, "a", START, START + timedelta(hours=1), downstream=True)
+    assert conn.execute("SELECT state FROM pgflow.runs WHERE job = 'late'").fetchall() == [
+        {"state": "upstream_failed"}]
+    assert backfill.show(conn, made["id"])["state"] == "completed"  # nothing left to run
+
+
+def test_a_backfill_with_every_tick_skipped_completes_at_once(conn: Conn) -> None:
+    add_job(conn, "a", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    runs.trigger(conn, "a", START)
+    made = backfill.create(conn, "a", START, START + timedelta(hours=1))
+    assert made["created"] == 0
+    assert backfill.show(conn, made["id"])["state"] == "completed"
+
+
+def test_cancelling_the_last_run_completes_the_backfill(conn: Conn, db_url: str) -> None:
+    add_job(conn, "a", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    made = backfill.create(conn, "a", START, START + timedelta(hours=2), max_concurrency=1)
+    release(db_url)
+    first, second = (r["id"] for r in conn.execute(
+        "SELECT id FROM pgflow.runs WHERE backfill_id = %s ORDER BY logical_time",
+        (made["id"],)))
+    finish_run(db_url, conn, first)
+    runs.cancel(conn, second)
+    assert backfill.show(conn, made["id"])["state"] == "completed"

@@ -431,3 +431,195 @@ def test_unknown_timezone_message() -> None:
                                   "Etc/GMT+5", "America/Port-au-Prince"])
 def test_good_timezones_load(name: str) -> None:
     assert load_timezone(name).key == name
+
+
+# --- golden DST nights (expected instants worked out by hand) ---------------------
+#
+# Offsets: Berlin CET +1 / CEST +2, switching 2025-03-30 01:00 UTC (02:00 -> 03:00)
+# and 2025-10-26 01:00 UTC (03:00 -> 02:00). New York EST -5 / EDT -4, switching
+# 2025-03-09 07:00 UTC (02:00 -> 03:00) and 2025-11-02 06:00 UTC (02:00 -> 01:00).
+# Lord Howe +10:30 / +11, switching 2025-04-05 15:00 UTC (02:00 -> 01:30) and
+# 2025-10-04 15:30 UTC (02:00 -> 02:30). Apia went from 2011-12-29 23:59:59 -10 to
+# 2011-12-31 00:00 +14 at 2011-12-30 10:00 UTC (local 2011-12-30 never happened),
+# and fell back 2012-03-31 14:00 UTC (04:00 +14 -> 03:00 +13).
+
+GOLDEN_NIGHTS: list[tuple[str, str, datetime, datetime, list[datetime]]] = [
+    # Berlin, spring forward: 02:xx does not exist, so it fires at 03:00 CEST = 01:00 UTC.
+    ("Europe/Berlin", "30 2 * * *", utc(2025, 3, 29, 12), utc(2025, 3, 31, 12),
+     [utc(2025, 3, 30, 1), utc(2025, 3, 31, 0, 30)]),
+    ("Europe/Berlin", "15 * * * *", utc(2025, 3, 29, 23), utc(2025, 3, 30, 3),
+     [utc(2025, 3, 29, 23, 15), utc(2025, 3, 30, 0, 15), utc(2025, 3, 30, 1),
+      utc(2025, 3, 30, 1, 15), utc(2025, 3, 30, 2, 15)]),
+    ("Europe/Berlin", "0 */2 * * *", utc(2025, 3, 29, 22), utc(2025, 3, 30, 4),
+     [utc(2025, 3, 29, 23), utc(2025, 3, 30, 1), utc(2025, 3, 30, 2)]),
+    ("Europe/Berlin", "30 */20 * * * *", utc(2025, 3, 30, 0, 30), utc(2025, 3, 30, 1, 30),
+     [utc(2025, 3, 30, 0, 40, 30), utc(2025, 3, 30, 1), utc(2025, 3, 30, 1, 0, 30),
+      utc(2025, 3, 30, 1, 20, 30)]),
+    # Berlin, fall back: 02:00-02:59 happens at 00:xx UTC (CEST) and again at 01:xx (CET).
+    ("Europe/Berlin", "30 2 * * *", utc(2025, 10, 25, 12), utc(2025, 10, 27, 12),
+     [utc(2025, 10, 26, 0, 30), utc(2025, 10, 27, 1, 30)]),
+    ("Europe/Berlin", "15 * * * *", utc(2025, 10, 25, 23), utc(2025, 10, 26, 3),
+     [utc(2025, 10, 25, 23, 15), utc(2025, 10, 26, 0, 15), utc(2025, 10, 26, 1, 15),
+      utc(2025, 10, 26, 2, 15)]),
+    ("Europe/Berlin", "0 */2 * * *", utc(2025, 10, 25, 21), utc(2025, 10, 26, 4),
+     [utc(2025, 10, 25, 22), utc(2025, 10, 26, 0), utc(2025, 10, 26, 1), utc(2025, 10, 26, 3)]),
+    ("Europe/Berlin", "10 0 2 * * *", utc(2025, 10, 25, 12), utc(2025, 10, 26, 12),
+     [utc(2025, 10, 26, 0, 0, 10)]),
+    ("Europe/Berlin", "20 30 * * * *", utc(2025, 10, 26, 0), utc(2025, 10, 26, 2),
+     [utc(2025, 10, 26, 0, 30, 20), utc(2025, 10, 26, 1, 30, 20)]),
+    # New York, spring forward: 02:xx does not exist, 03:00 EDT = 07:00 UTC.
+    ("America/New_York", "30 2 * * *", utc(2025, 3, 8), utc(2025, 3, 10, 12),
+     [utc(2025, 3, 8, 7, 30), utc(2025, 3, 9, 7), utc(2025, 3, 10, 6, 30)]),
+    ("America/New_York", "0 * * * *", utc(2025, 3, 9, 5), utc(2025, 3, 9, 9),
+     [utc(2025, 3, 9, 5), utc(2025, 3, 9, 6), utc(2025, 3, 9, 7), utc(2025, 3, 9, 8)]),
+    ("America/New_York", "30 */2 * * *", utc(2025, 3, 9, 5), utc(2025, 3, 9, 11),
+     [utc(2025, 3, 9, 5, 30), utc(2025, 3, 9, 7), utc(2025, 3, 9, 8, 30),
+      utc(2025, 3, 9, 10, 30)]),
+    ("America/New_York", "0 0 2 * * *", utc(2025, 3, 8, 12), utc(2025, 3, 9, 12),
+     [utc(2025, 3, 9, 7)]),
+    # New York, fall back: 01:00-01:59 happens at 05:xx UTC (EDT) and 06:xx UTC (EST).
+    ("America/New_York", "30 1 * * *", utc(2025, 11, 1, 12), utc(2025, 11, 3, 12),
+     [utc(2025, 11, 2, 5, 30), utc(2025, 11, 3, 6, 30)]),
+    ("America/New_York", "0 0-3 * * *", utc(2025, 11, 2, 3), utc(2025, 11, 2, 9),
+     [utc(2025, 11, 2, 4), utc(2025, 11, 2, 5), utc(2025, 11, 2, 7), utc(2025, 11, 2, 8)]),
+    ("America/New_York", "30 * * * *", utc(2025, 11, 2, 4), utc(2025, 11, 2, 8),
+     [utc(2025, 11, 2, 4, 30), utc(2025, 11, 2, 5, 30), utc(2025, 11, 2, 6, 30),
+      utc(2025, 11, 2, 7, 30)]),
+    ("America/New_York", "45 */1 * * *", utc(2025, 11, 2, 4), utc(2025, 11, 2, 8),
+     [utc(2025, 11, 2, 4, 45), utc(2025, 11, 2, 5, 45), utc(2025, 11, 2, 6, 45),
+      utc(2025, 11, 2, 7, 45)]),
+    ("America/New_York", "30 15 1 * * *", utc(2025, 11, 1, 12), utc(2025, 11, 2, 12),
+     [utc(2025, 11, 2, 5, 15, 30)]),
+    ("America/New_York", "0 0 */1 * * *", utc(2025, 11, 2, 4), utc(2025, 11, 2, 8),
+     [utc(2025, 11, 2, 4), utc(2025, 11, 2, 5), utc(2025, 11, 2, 6), utc(2025, 11, 2, 7)]),
+    # Lord Howe, fall back by 30 minutes: 01:30-01:59 happens at 14:30 UTC (+11) and
+    # again at 15:00 UTC (+10:30).
+    ("Australia/Lord_Howe", "40 1 * * *", utc(2025, 4, 4), utc(2025, 4, 7),
+     [utc(2025, 4, 4, 14, 40), utc(2025, 4, 5, 14, 40), utc(2025, 4, 6, 15, 10)]),
+    ("Australia/Lord_Howe", "50 * * * *", utc(2025, 4, 5, 13), utc(2025, 4, 5, 17),
+     [utc(2025, 4, 5, 13, 50), utc(2025, 4, 5, 14, 50), utc(2025, 4, 5, 15, 20),
+      utc(2025, 4, 5, 16, 20)]),
+    ("Australia/Lord_Howe", "35 */1 * * *", utc(2025, 4, 5, 13), utc(2025, 4, 5, 17),
+     [utc(2025, 4, 5, 13, 35), utc(2025, 4, 5, 14, 35), utc(2025, 4, 5, 15, 5),
+      utc(2025, 4, 5, 16, 5)]),
+    ("Australia/Lord_Howe", "0 45 1 * * *", utc(2025, 4, 5), utc(2025, 4, 6),
+     [utc(2025, 4, 5, 14, 45)]),
+    ("Australia/Lord_Howe", "30 40 * * * *", utc(2025, 4, 5, 14), utc(2025, 4, 5, 16),
+     [utc(2025, 4, 5, 14, 40, 30), utc(2025, 4, 5, 15, 10, 30)]),
+    # Lord Howe, spring forward by 30 minutes: 02:00-02:29 does not exist, the clock
+    # reads 02:30 (+11) at 15:30 UTC.
+    ("Australia/Lord_Howe", "15 2 * * *", utc(2025, 10, 3), utc(2025, 10, 6),
+     [utc(2025, 10, 3, 15, 45), utc(2025, 10, 4, 15, 30), utc(2025, 10, 5, 15, 15)]),
+    ("Australia/Lord_Howe", "*/20 * * * *", utc(2025, 10, 4, 15), utc(2025, 10, 4, 16),
+     [utc(2025, 10, 4, 15, 10), utc(2025, 10, 4, 15, 30), utc(2025, 10, 4, 15, 40)]),
+    ("Australia/Lord_Howe", "10 */2 * * *", utc(2025, 10, 4, 13), utc(2025, 10, 4, 18),
+     [utc(2025, 10, 4, 13, 40), utc(2025, 10, 4, 15, 30), utc(2025, 10, 4, 17, 10)]),
+    ("Australia/Lord_Howe", "30 10 2 * * *", utc(2025, 10, 4), utc(2025, 10, 5),
+     [utc(2025, 10, 4, 15, 30)]),
+    # Apia skipped 2011-12-30: every tick of that local day collapses into one fire at
+    # 10:00 UTC, which is also 2011-12-31 00:00 +14.
+    ("Pacific/Apia", "0 12 * * *", utc(2011, 12, 29), utc(2011, 12, 31, 12),
+     [utc(2011, 12, 29, 22), utc(2011, 12, 30, 10), utc(2011, 12, 30, 22)]),
+    ("Pacific/Apia", "0 * * * *", utc(2011, 12, 30, 8), utc(2011, 12, 30, 12),
+     [utc(2011, 12, 30, 8), utc(2011, 12, 30, 9), utc(2011, 12, 30, 10), utc(2011, 12, 30, 11)]),
+    ("Pacific/Apia", "0 */6 * * *", utc(2011, 12, 29, 12), utc(2011, 12, 31),
+     [utc(2011, 12, 29, 16), utc(2011, 12, 29, 22), utc(2011, 12, 30, 4), utc(2011, 12, 30, 10),
+      utc(2011, 12, 30, 16), utc(2011, 12, 30, 22)]),
+    ("Pacific/Apia", "30 15 10 * * *", utc(2011, 12, 29, 12), utc(2011, 12, 31, 12),
+     [utc(2011, 12, 29, 20, 15, 30), utc(2011, 12, 30, 10), utc(2011, 12, 30, 20, 15, 30)]),
+    # Apia, fall back: 03:00-03:59 happens at 13:xx UTC (+14) and at 14:xx UTC (+13).
+    ("Pacific/Apia", "30 3 * * *", utc(2012, 3, 31), utc(2012, 4, 2),
+     [utc(2012, 3, 31, 13, 30), utc(2012, 4, 1, 14, 30)]),
+    ("Pacific/Apia", "30 * * * *", utc(2012, 3, 31, 12), utc(2012, 3, 31, 15),
+     [utc(2012, 3, 31, 12, 30), utc(2012, 3, 31, 13, 30), utc(2012, 3, 31, 14, 30)]),
+]
+
+
+@pytest.mark.parametrize(("zone", "expr", "start", "end", "expected"), GOLDEN_NIGHTS)
+def test_golden_dst_nights(
+    zone: str, expr: str, start: datetime, end: datetime, expected: list[datetime]
+) -> None:
+    assert ticks(expr, zone, start, end) == expected
+    schedule = parse_cron(expr, zone)
+    for before, fire in pairwise([start - timedelta(microseconds=1), *expected]):
+        assert schedule.next_after(before) == fire
+    for fire, after in pairwise([*expected, end]):
+        assert schedule.last_at_or_before(fire) == fire
+        assert schedule.last_at_or_before(after - timedelta(microseconds=1)) == fire
+
+
+def test_a_day_that_never_happened_fires_at_the_jump() -> None:
+    dec_30 = parse_cron("0 9 30 12 *", "Pacific/Apia")
+    assert dec_30.next_after(utc(2011, 12, 1)) == utc(2011, 12, 30, 10)
+    assert dec_30.next_after(utc(2011, 12, 30, 10)) == utc(2012, 12, 29, 19)  # 09:00 +14
+    assert dec_30.last_at_or_before(utc(2012, 6, 1)) == utc(2011, 12, 30, 10)
+
+
+def test_fall_back_fires_once_where_croniter_alone_does_not() -> None:
+    # Left to its own zone handling croniter does not follow the contract here (7.x
+    # fires 02:30 CEST and 02:30 CET); pgflow hands it wall-clock times only.
+    night = (datetime(2025, 10, 25, 12, tzinfo=BERLIN), datetime(2025, 10, 27, 12, tzinfo=BERLIN))
+    alone = croniter("30 2 * * *", night[0], ret_type=datetime)
+    by_croniter = [alone.get_next(datetime) for _ in range(2)]
+    ours = ticks("30 2 * * *", "Europe/Berlin", *night)
+    assert ours == [utc(2025, 10, 26, 0, 30), utc(2025, 10, 27, 1, 30)]
+    assert [moment.astimezone(UTC) for moment in by_croniter] != ours
+
+
+@pytest.mark.parametrize(
+    ("expr", "after", "expected"),
+    [
+        ("5-5 * * * *", utc(2025, 1, 1), utc(2025, 1, 1, 0, 5)),  # croniter: whole cycle
+        ("59/15 * * * *", utc(2025, 1, 1), utc(2025, 1, 1, 0, 59)),  # N/S is N-59/S
+        ("0 0 * * 7/2", utc(2025, 1, 1), utc(2025, 1, 5)),  # only Sunday
+        ("0 0 * * 5-7", utc(2025, 1, 4, 1), utc(2025, 1, 5)),  # Fri, Sat, Sun
+        ("0 0 1,* * 3", utc(2025, 1, 1), utc(2025, 1, 2)),  # no leading '*': OR, every day
+        ("0 0 1-31 * 3,*/3", utc(2025, 1, 1), utc(2025, 1, 2)),  # OR as well
+        ("0 0 *,1 * 3", utc(2025, 1, 1), utc(2025, 1, 8)),  # leading '*': AND, Wednesdays
+        ("0 0 29 2 mon", utc(2025, 1, 1), utc(2025, 2, 3)),  # OR: Mondays in February
+        ("0 0 1 JAN-Jan *", utc(2025, 6, 1), utc(2026, 1, 1)),
+        ("  0 12 * * *\t", utc(2025, 1, 1), utc(2025, 1, 1, 12)),
+        ("@midnight", utc(2025, 1, 1, 0, 0, 1), utc(2025, 1, 2)),
+        ("0 0 29 2 */7", utc(2025, 1, 1), utc(2032, 2, 29)),  # a Sunday Feb 29
+    ],
+)
+def test_forms_croniter_reads_differently_keep_their_meaning(
+    expr: str, after: datetime, expected: datetime
+) -> None:
+    assert parse_cron(expr).next_after(after) == expected
+
+
+@pytest.mark.parametrize(
+    ("expr", "reason"),
+    [
+        # A trailing year is read as seconds-first and fails on the day of the week.
+        ("0 0 * * 1-5 2025", "day-of-week field value 2025 is out of range 0-7"),
+        ("0 0 1 1 * 2025 *", "got 7"),
+        ("0 0 15W * *", "day-of-month field: '15W' is not a number"),
+        ("0 0 * * L5", "day-of-week field: 'L5' is not a number or a day-of-week name"),
+        ("H(0-29) * * * *", "minute field"),
+        ("R * * * *", "minute field"),
+        ("0 0 * 12-1 *", "month field: range '12-1' runs backwards"),
+        ("0 0 * * mon-sun", "Sunday is 0 or 7"),
+        ("*/61 * * * *", "minute field: step '61' must be a number from 1 to 60"),
+        ("0 0 * * */8", "step '8' must be a number from 1 to 7"),
+        ("0 0 31 4,6 *", "day 31 never occurs in month 4,6"),
+        ("0 0 31 2-6/2 *", "day 31 never occurs in month 2,4,6"),
+        ("0 0 30 feb */2", "never occurs"),
+    ],
+)
+def test_croniter_extensions_and_impossible_days_are_refused(expr: str, reason: str) -> None:
+    with pytest.raises(CronError) as info:
+        parse_cron(expr)
+    assert str(info.value).startswith("invalid cron expression ")
+    assert reason in str(info.value)
+
+
+def test_a_start_with_microseconds_does_not_skip_the_first_repeated_tick() -> None:
+    # The scheduler's "now" has microseconds. From 02:30 CEST (first pass) the next
+    # hourly tick is 02:00 CET (the repeat) at 01:00 UTC, not 03:00 CET at 02:00 UTC.
+    hourly = parse_cron("0 * * * *", "Europe/Berlin")
+    assert hourly.next_after(utc(2025, 10, 26, 0, 30, 0, 1)) == utc(2025, 10, 26, 1)
+    apia = parse_cron("0 * * * *", "Pacific/Apia")  # 03:00-03:59 repeated, -10 then -11
+    assert apia.next_after(utc(2011, 4, 2, 13, 30, 0, 1)) == utc(2011, 4, 2, 14)
+    assert apia.last_at_or_before(utc(2011, 4, 2, 14, 30, 0, 1)) == utc(2011, 4, 2, 14)

@@ -10,15 +10,24 @@ from typing import Any
 
 import psycopg
 import pytest
+from drive import check_nothing_stuck, end_attempt, finish_run, hand_to_worker, run_of
 from engine import WorkerThread, add_job, attempts, run_row, start_dag, states, wait_for
+from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
-from pgflow import deps, queue
+from pgflow import backfill, deps, queue, registry, runs, scheduler
+from pgflow.errors import Conflict
 from pgflow.queries import q
 from pgflow.queue import Finish
+from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_stuck(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from check_nothing_stuck(request)
 
 
 def diamond(conn: Conn, path: Path | None = None, **top: Any) -> None:
@@ -113,8 +122,10 @@ def test_simultaneous_upstream_completions_queue_the_downstream_once(
             racing = asyncio.create_task(queue.finish(second, [done("b")]))
             await _blocked_on_a_lock(db_url, second.info.backend_pid)
             assert not racing.done()
-            await cur.execute(q("queue_ready_runs"), {"ids": rows[0]["candidates"]})
-            assert cur.rowcount == 0  # b not finished yet from a's point of view
+            await cur.execute(q("queue_ready_runs"), {"ids": rows[0]["candidates"],
+                                                      "finished": [ids["a"]]})
+            # b not finished yet from a's point of view; d was no late-comer
+            assert await cur.fetchone() == {"queued": [], "late": [], "backfills": []}
         assert await racing == {ids["b"]: "succeeded"}
         await first.close()
         await second.close()
@@ -241,3 +252,273 @@ async def _blocked_on_a_lock(db_url: str, pid: int) -> None:
                 return
             await asyncio.sleep(0.025)
     raise AssertionError(f"backend {pid} never waited for a lock")
+
+
+# ---------------------------------------------------------------- every way into pending
+
+
+def chain(conn: Conn, *edges: tuple[str, list[str]], roots: tuple[str, ...] = ("a",)) -> None:
+    for root in roots:
+        add_job(conn, root, entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    for job, upstreams in edges:
+        add_job(conn, job, entrypoint="jobfuncs:noop", depends_on=upstreams)
+
+
+def schedule_at(url: str, now: datetime) -> scheduler.SchedulePass:
+    async def go() -> scheduler.SchedulePass:
+        async with await AsyncConnection.connect(url, autocommit=True) as aconn:
+            return await scheduler.run_once(aconn, now)
+    return asyncio.run(go())
+
+
+def release(url: str) -> int:
+    async def go() -> int:
+        async with await AsyncConnection.connect(url, autocommit=True) as aconn:
+            return await backfill.release(aconn)
+    return asyncio.run(go())
+
+
+def test_a_tick_after_a_no_downstream_trigger_queues_the_downstream_at_once(
+        conn: Conn, db_url: str) -> None:
+    """Defect 2, second way in: the upstream's run already succeeded when the DAG run
+    at its time is created, so no completion will ever look at the new pending run."""
+    chain(conn, ("b", ["a"]))
+    a = runs.trigger(conn, "a", T0, downstream=False)
+    assert finish_run(db_url, conn, a) == "succeeded"
+    conn.execute("UPDATE pgflow.jobs SET next_fire_at = %s WHERE name = 'a'", (T0,))
+    assert schedule_at(db_url, T0).runs_created == 1  # b only: a's tick already has its run
+    assert states(conn, T0) == {"a": "succeeded", "b": "queued"}
+
+
+def test_a_trigger_of_another_root_settles_runs_behind_finished_upstreams(
+        conn: Conn, db_url: str) -> None:
+    chain(conn, ("c", ["a", "r"]), ("x", ["a"]), roots=("a", "r"))
+    a = runs.trigger(conn, "a", T0, downstream=False)
+    finish_run(db_url, conn, a)
+    runs.trigger(conn, "r", T0)  # brings the DAG run; a already succeeded at T0
+    assert states(conn, T0) == {"a": "succeeded", "r": "queued", "c": "pending", "x": "queued"}
+    finish_run(db_url, conn, run_of(conn, "r", T0)["id"])
+    assert states(conn, T0)["c"] == "queued"
+
+
+def test_a_new_pending_run_behind_a_failed_upstream_fails_at_once(conn: Conn,
+                                                                  db_url: str) -> None:
+    chain(conn, ("b", ["a"]), ("c", ["b"]))
+    a = runs.trigger(conn, "a", T0, downstream=False)
+    assert finish_run(db_url, conn, a, "failed") == "failed"
+    conn.execute("UPDATE pgflow.jobs SET next_fire_at = %s WHERE name = 'a'", (T0,))
+    schedule_at(db_url, T0)
+    assert states(conn, T0) == {"a": "failed", "b": "upstream_failed", "c": "upstream_failed"}
+    runs.retry(conn, a)  # and they resume when it is retried
+    assert states(conn, T0) == {"a": "queued", "b": "pending", "c": "pending"}
+    finish_run(db_url, conn, a)
+    assert states(conn, T0)["b"] == "queued"
+
+
+def test_a_refused_trigger_creates_no_downstream_runs(conn: Conn) -> None:
+    chain(conn, ("b", ["a"]))
+    runs.trigger(conn, "a", T0, downstream=False)
+    with pytest.raises(Conflict, match="already has run"):
+        runs.trigger(conn, "a", T0)
+    assert states(conn, T0) == {"a": "queued"}
+
+
+# ---------------------------------------------------------------- DAG edits (defect 3)
+
+
+def test_removing_an_edge_queues_a_run_that_now_has_all_it_needs(conn: Conn,
+                                                                  db_url: str) -> None:
+    chain(conn, ("c", ["a", "b"]), roots=("a", "b"))
+    ids = start_dag(conn, ["a"], T0)
+    finish_run(db_url, conn, ids["a"])
+    hand_to_worker(conn, ids["b"])  # b is running when c is re-wired
+    assert states(conn, T0)["c"] == "pending"
+    registry.apply(conn, [JobSpec.model_validate(
+        {"name": "c", "entrypoint": "jobfuncs:noop", "depends_on": ["a"], "retry":
+         {"max_attempts": 1}})])
+    assert states(conn, T0)["c"] == "queued"
+    # b finishing later changes nothing for c (no longer its downstream)
+    assert end_attempt(db_url, conn, ids["b"]) == "succeeded"
+    assert states(conn, T0) == {"a": "succeeded", "b": "succeeded", "c": "queued"}
+
+
+def test_a_re_added_edge_to_a_failed_upstream_fails_the_pending_run(conn: Conn,
+                                                                     db_url: str) -> None:
+    chain(conn, ("c", ["a"]), roots=("a", "b"))
+    ids = start_dag(conn, ["a"], T0)
+    b = runs.trigger(conn, "b", T0, downstream=False)
+    finish_run(db_url, conn, b, "failed")
+    add_job(conn, "c", entrypoint="jobfuncs:noop", depends_on=["a", "b"])
+    assert states(conn, T0) == {"a": "queued", "b": "failed", "c": "upstream_failed"}
+    runs.retry(conn, b)
+    assert states(conn, T0)["c"] == "pending"
+    finish_run(db_url, conn, b)
+    assert states(conn, T0)["c"] == "pending"  # a has not run yet
+    finish_run(db_url, conn, ids["a"])
+    assert states(conn, T0)["c"] == "queued"
+
+
+def test_prune_of_an_upstream_settles_its_former_downstream(conn: Conn, db_url: str) -> None:
+    chain(conn, ("c", ["a", "b"]), roots=("a", "b"))
+    ids = start_dag(conn, ["a"], T0)
+    finish_run(db_url, conn, ids["a"])
+    keep = [JobSpec.model_validate({"name": "a", "entrypoint": "jobfuncs:noop",
+                                    "schedule": "0 * * * *", "retry": {"max_attempts": 1}}),
+            JobSpec.model_validate({"name": "c", "entrypoint": "jobfuncs:noop",
+                                    "depends_on": ["a"], "retry": {"max_attempts": 1}})]
+    result = registry.apply(conn, keep, prune=True)
+    assert result.pruned == ["b"]
+    assert states(conn, T0) == {"a": "succeeded", "b": "cancelled", "c": "queued"}
+
+
+# ---------------------------------------------------------------- retries (defects 4, 5)
+
+
+def test_retrying_one_failed_upstream_keeps_the_run_behind_another_dead_branch(
+        conn: Conn, db_url: str) -> None:
+    """X -> B -> C and A -> C; X and A fail. Retrying A must not put C back to pending
+    while B is upstream_failed; retrying X then runs B, and C once B succeeded."""
+    chain(conn, ("b", ["x"]), ("c", ["b", "a"]), roots=("a", "x"))
+    ids = start_dag(conn, ["a"], T0)
+    finish_run(db_url, conn, ids["x"], "failed")
+    finish_run(db_url, conn, ids["a"], "failed")
+    assert states(conn, T0) == {"a": "failed", "x": "failed", "b": "upstream_failed",
+                                "c": "upstream_failed"}
+    runs.retry(conn, ids["a"])
+    assert states(conn, T0) == {"a": "queued", "x": "failed", "b": "upstream_failed",
+                                "c": "upstream_failed"}
+    finish_run(db_url, conn, ids["a"])
+    runs.retry(conn, ids["x"])
+    assert states(conn, T0) == {"a": "succeeded", "x": "queued", "b": "pending",
+                                "c": "pending"}
+    finish_run(db_url, conn, ids["x"])
+    assert states(conn, T0)["b"] == "queued" and states(conn, T0)["c"] == "pending"
+    finish_run(db_url, conn, ids["b"])
+    assert states(conn, T0)["c"] == "queued"
+
+
+def test_retrying_a_cancelled_pending_downstream_waits_for_its_upstreams(
+        conn: Conn, db_url: str) -> None:
+    chain(conn, ("b", ["a"]))
+    ids = start_dag(conn, ["a"], T0)
+    runs.cancel(conn, ids["b"])
+    assert runs.retry(conn, ids["b"])["state"] == "pending"
+    assert states(conn, T0) == {"a": "queued", "b": "pending"}
+    finish_run(db_url, conn, ids["a"])
+    assert states(conn, T0)["b"] == "queued"
+
+
+def test_retrying_a_downstream_whose_upstreams_succeeded_queues_it(conn: Conn,
+                                                                   db_url: str) -> None:
+    chain(conn, ("b", ["a"]))
+    ids = start_dag(conn, ["a"], T0)
+    runs.cancel(conn, ids["b"])
+    finish_run(db_url, conn, ids["a"])
+    assert runs.retry(conn, ids["b"])["state"] == "queued"
+    assert states(conn, T0) == {"a": "succeeded", "b": "queued"}
+
+
+def test_retrying_a_downstream_behind_a_failed_upstream_is_refused(conn: Conn,
+                                                                   db_url: str) -> None:
+    chain(conn, ("b", ["a"]))
+    ids = start_dag(conn, ["a"], T0)
+    runs.cancel(conn, ids["b"])
+    finish_run(db_url, conn, ids["a"], "failed")
+    with pytest.raises(Conflict, match=rf"run {ids['a']} \(a, failed\).*retry that run first"):
+        runs.retry(conn, ids["b"])
+    assert states(conn, T0) == {"a": "failed", "b": "cancelled"}
+
+
+# ---------------------------------------------------------------- creation racing a finish
+
+
+def _running(conn: Conn, run_id: int) -> Finish:
+    attempt = hand_to_worker(conn, run_id)
+    return Finish(run_id, attempt, "fake-worker", "succeeded", "succeeded", T0)
+
+
+def test_a_finish_blocked_by_a_creator_still_queues_the_new_run(conn: Conn,
+                                                                db_url: str) -> None:
+    """The creator share-locks the running upstream first; the finisher's UPDATE waits
+    for it, so finish_attempts' snapshot (taken before the wait) cannot see the new
+    pending run. queue_ready_runs, the next statement, must find it: d waits for a
+    alone, so nothing else would ever queue it."""
+    chain(conn, ("c", ["a", "r"]), ("d", ["a"]), roots=("a", "r"))
+    a = runs.trigger(conn, "a", T0, downstream=False)
+    done = _running(conn, a)
+
+    async def scenario() -> None:
+        creator = await AsyncConnection.connect(db_url, autocommit=True)
+        finisher = await AsyncConnection.connect(db_url, autocommit=True)
+        async with creator.transaction():
+            cur = creator.cursor(row_factory=dict_row)
+            await cur.execute(q("create_runs"), {
+                "jobs": ["r"], "times": [T0], "trigger": "manual", "params": None,
+                "downstream": True, "state": "queued", "priority_offset": 0,
+                "backfill_id": None})
+            created = await cur.fetchall()
+            flow = deps.settle_flow([r["id"] for r in created if r["state"] == "pending"],
+                                    fresh=[r["id"] for r in created])
+            query, params = next(flow)
+            assert query == "lock_upstream_runs"
+            await cur.execute(q(query), params)  # a is share-locked by the creator
+            racing = asyncio.create_task(queue.finish(finisher, [done]))
+            await _blocked_on_a_lock(db_url, finisher.info.backend_pid)
+            query, params = flow.send(await cur.fetchall())
+            assert query == "settle_pending"
+            await cur.execute(q(query), params)
+            assert (await cur.fetchone())["queued"] == []  # type: ignore[index]
+        assert await racing == {a: "succeeded"}
+        await creator.close()
+        await finisher.close()
+
+    asyncio.run(scenario())
+    assert states(conn, T0) == {"a": "succeeded", "r": "queued", "c": "pending", "d": "queued"}
+    finish_run(db_url, conn, run_of(conn, "r", T0)["id"])
+    assert states(conn, T0)["c"] == "queued"
+
+
+def test_a_retry_blocked_by_a_finish_sees_the_upstream_succeeded(conn: Conn,
+                                                                 db_url: str) -> None:
+    """The finisher updated the upstream first: the retried downstream's settling waits
+    for its commit on the upstream's row lock, then sees it succeeded (the finisher
+    itself could not see the downstream pending)."""
+    chain(conn, ("b", ["a"]))
+    ids = start_dag(conn, ["a"], T0)
+    runs.cancel(conn, ids["b"])
+    done = _running(conn, ids["a"])
+
+    async def scenario() -> None:
+        finisher = await AsyncConnection.connect(db_url, autocommit=True)
+        async with finisher.transaction():
+            cur = finisher.cursor(row_factory=dict_row)
+            await cur.execute(q("finish_attempts"), queue.finish_params([done]))
+            rows = await cur.fetchall()
+            assert rows[0]["candidates"] is None  # b is cancelled
+            retrying = asyncio.create_task(asyncio.to_thread(_retry, db_url, ids["b"]))
+            await _blocked_on_a_lock(db_url, await _creator_pid(db_url))
+            await deps.after_finish(finisher, rows)
+        assert await retrying == "queued"  # it waited for a, then found it succeeded
+        await finisher.close()
+
+    asyncio.run(scenario())
+    assert states(conn, T0) == {"a": "succeeded", "b": "queued"}
+
+
+def _retry(url: str, run_id: int) -> str:
+    with psycopg.connect(url, autocommit=True, row_factory=dict_row,
+                         application_name="creator") as c:
+        state: str = runs.retry(c, run_id)["state"]
+        return state
+
+
+async def _creator_pid(url: str) -> int:
+    async with await AsyncConnection.connect(url, autocommit=True) as watcher:
+        for _ in range(200):
+            cur = await watcher.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'creator'")
+            row = await cur.fetchone()
+            if row is not None:
+                return int(row[0])
+            await asyncio.sleep(0.025)
+    raise AssertionError("the creator never connected")

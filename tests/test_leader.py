@@ -4,13 +4,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 import structlog
+from drive import check_nothing_stuck
 from psycopg import AsyncConnection
 from structlog.testing import capture_logs
 
@@ -36,6 +38,11 @@ async def main() -> None:
 
 asyncio.run(main())
 """
+
+
+@pytest.fixture(autouse=True)
+def _nothing_stuck(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from check_nothing_stuck(request)
 
 
 class Replica:
@@ -235,3 +242,54 @@ def test_no_tick_is_lost_or_doubled_across_a_takeover(conn: Conn, db_url: str) -
         # One run per second from the first tick to the last: none doubled, none skipped.
         assert row["runs"] == row["ticks"] == row["span"] >= 3, row
 
+
+
+def test_a_leader_busy_with_a_large_backlog_keeps_its_term(conn: Conn, db_url: str) -> None:
+    """Defect 14: 50 jobs x 2,000 missed ticks under catchup = "all" (100,000 runs) with a
+    1.5 s TTL and a standby ready to depose. One transaction holding all of a pass's
+    ticks outlasts the TTL; passes are bounded and heartbeat in between, so the leader
+    keeps its term, and every tick is created exactly once."""
+    jobs, backlog = 50, 2000
+    registry.apply(conn, [JobSpec.model_validate(
+        {"name": f"busy_{i:02}", "schedule": "* * * * * *", "catchup": "all",
+         "command": "true"}) for i in range(jobs)])
+    conn.execute("UPDATE pgflow.jobs SET paused = true")
+
+    async def scenario() -> tuple[int, int]:
+        group = [Leadership(db_url, name, 1.5, structlog.get_logger(), max_sleep=0.5,
+                            retry_interval=0.2) for name in ("first", "second")]
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(g.run(stop)) for g in group]
+        try:
+            await eventually(lambda: any(g.is_leader for g in group))
+            row = await leader_row(db_url)
+            assert row is not None
+            conn.execute("UPDATE pgflow.jobs SET paused = false,"
+                         " next_fire_at = date_trunc('second', now()) - %s * interval '1 s'",
+                         (backlog,))
+            conn.execute("SELECT pg_notify('pgflow_jobs', '')")
+
+            def caught_up() -> bool:  # every job's next tick is (nearly) in the future
+                behind = conn.execute("SELECT count(*) AS n FROM pgflow.jobs"
+                                      " WHERE next_fire_at < now() - interval '3 s'").fetchone()
+                return behind == {"n": 0}
+
+            await eventually(caught_up, timeout=90)
+            after = await leader_row(db_url)
+            assert after is not None
+            return row.term, after.term
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    with capture_logs() as logs:
+        before, after = asyncio.run(scenario())
+    assert after == before, "the busy leader was deposed"
+    assert not [e for e in logs if e["event"] == "deposed a frozen scheduler leader"]
+    rows = conn.execute(
+        "SELECT job, count(*) AS runs, count(DISTINCT logical_time) AS ticks,"
+        " extract(epoch FROM max(logical_time) - min(logical_time))::int + 1 AS span"
+        " FROM pgflow.runs GROUP BY job").fetchall()
+    assert len(rows) == jobs
+    for row in rows:
+        assert row["runs"] == row["ticks"] == row["span"] >= backlog, row

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -35,6 +36,8 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # setuptools reuses build/lib: a migration renamed since the last build would ship twice.
+    shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
         capture_output=True, text=True, timeout=240)

@@ -7,6 +7,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from drive import check_nothing_stuck
 from psycopg.rows import dict_row
 
 from pgflow import registry, runs
@@ -59,6 +60,16 @@ def failed_run(conn: Conn, job: str = "etl", at: datetime = T0) -> int:
     run_id = runs.trigger(conn, job, at)
     set_finished(conn, run_id, "failed")
     return run_id
+
+
+@pytest.fixture(autouse=True)
+def _nothing_stuck(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from check_nothing_stuck(request)
+
+
+@pytest.fixture
+def stuck_ok() -> None:
+    """This test builds a run state by hand that the engine would never leave behind."""
 
 
 @pytest.fixture
@@ -254,7 +265,8 @@ def test_retry_cancelled_run(etl: Conn) -> None:
     ("upstream_failed", "run {id} is upstream_failed because of its upstreams: retry those"
                         " runs instead"),
 ])
-def test_retry_refusals_name_the_state(etl: Conn, state: str, message: str) -> None:
+def test_retry_refusals_name_the_state(etl: Conn, state: str, message: str,
+                                      stuck_ok: None) -> None:
     run_id = runs.trigger(etl, "etl", T0)
     if state == "running":
         set_running(etl, run_id)
@@ -524,3 +536,11 @@ def test_trigger_without_downstream_creates_only_the_job(etl: Conn) -> None:
     assert etl.execute("SELECT count(*) AS n FROM pgflow.runs").fetchone() == {"n": 1}
     runs.trigger(etl, "etl", T0 + timedelta(hours=1))
     assert etl.execute("SELECT count(*) AS n FROM pgflow.runs").fetchone() == {"n": 3}
+
+
+def test_retry_message_says_whether_the_run_waits_for_its_upstreams() -> None:
+    from pgflow.runs import retry_message
+
+    assert retry_message(7, {"state": "queued"}) == "run 7 queued for retry"
+    assert retry_message(7, {"state": "pending"}) == ("run 7 retried: it waits for its"
+                                                      " upstream runs (pending)")

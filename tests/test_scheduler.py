@@ -1,20 +1,34 @@
 import asyncio
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
+from drive import check_nothing_stuck
 from psycopg import AsyncConnection
 
 from pgflow import registry
 from pgflow.queries import q
-from pgflow.scheduler import MISFIRE_GRACE, SchedulePass, plan_fires, run_once
+from pgflow.scheduler import (
+    MAX_RUNS_PER_PASS,
+    MISFIRE_GRACE,
+    SchedulePass,
+    _plan_batch,
+    plan_fires,
+    run_once,
+)
 from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
 NOW = datetime(2024, 6, 3, 12, 0, tzinfo=UTC)
 POLICIES = ("latest", "all", "none")
+
+
+@pytest.fixture(autouse=True)
+def _nothing_stuck(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield from check_nothing_stuck(request)
 
 
 def utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0) -> datetime:
@@ -240,3 +254,56 @@ def test_the_due_jobs_query_uses_jobs_due_idx(conn: Conn) -> None:
                         {"now": NOW + timedelta(seconds=30), "batch": 1000}).fetchone()
     assert plan is not None
     assert "jobs_due_idx" in str(plan)
+
+
+# ---------------------------------------------------------------- bounded passes
+
+
+def due_row(name: str, catchup: str = "all", dag_runs: int = 1,
+            since: timedelta = timedelta(minutes=3000)) -> dict[str, Any]:
+    return {"name": name, "schedule": "* * * * *", "timezone": "UTC", "catchup": catchup,
+            "next_fire_at": NOW - since, "in_dag": dag_runs > 1, "dag_runs": dag_runs}
+
+
+def test_a_pass_plans_at_most_its_budget_and_leaves_the_rest_due() -> None:
+    plan = _plan_batch([due_row("a"), due_row("b"), due_row("c")], NOW, budget=1500)
+    assert len(plan.run_jobs) == 1500  # 1000 of a, 500 of b, none of c
+    assert plan.names == ["a", "b"] and plan.left_out and plan.still_due
+    assert plan.next_times[1] == NOW - timedelta(minutes=3000) + timedelta(minutes=500)
+
+
+def test_a_dag_tick_weighs_the_runs_of_its_dag_run() -> None:
+    plan = _plan_batch([due_row("root", dag_runs=10)], NOW, budget=1000)
+    assert len(plan.dag_jobs) == 100
+
+
+def test_other_catchup_policies_are_never_cut_short() -> None:
+    # catchup = "none" fires every tick within the grace and moves past now: cutting it
+    # would lose ticks, so it takes its share even beyond the budget.
+    seconds = [due_row(f"s{i}", catchup="none", since=timedelta(minutes=5)) for i in range(2)]
+    for row in seconds:
+        row["schedule"] = "* * * * * *"
+    plan = _plan_batch(seconds, NOW, budget=30)
+    assert plan.run_jobs == ["s0"] * 61 and plan.left_out
+
+
+def test_a_backlog_is_created_in_bounded_transactions(conn: Conn, db_url: str) -> None:
+    add_jobs(conn, [spec(f"b{i}", schedule="* * * * *", catchup="all") for i in range(3)],
+             NOW - timedelta(minutes=2999))
+    beats: list[int] = []
+
+    async def scenario() -> SchedulePass:
+        async with await AsyncConnection.connect(db_url, autocommit=True) as aconn:
+            async def heartbeat() -> None:
+                beats.append(1)
+            return await run_once(aconn, NOW, before_pass=heartbeat)
+
+    result = asyncio.run(scenario())
+    assert result.runs_created == 9000 and not result.more
+    assert len(beats) == result.passes >= 2  # a heartbeat before every pass
+    per_transaction = conn.execute(
+        "SELECT max(n) AS biggest FROM (SELECT xmin, count(*) AS n FROM pgflow.runs"
+        " GROUP BY xmin) t").fetchone()
+    assert per_transaction is not None and per_transaction["biggest"] <= MAX_RUNS_PER_PASS
+    created = runs(conn)
+    assert len(created) == len(set(created)) == 9000

@@ -14,8 +14,10 @@ import psycopg
 import pytest
 from engine import WorkerThread, add_job, attempts, enqueue, run_row, wait_for
 
-from pgflow import reaper
+from pgflow import queue, reaper, registry
 from pgflow.queries import q
+from pgflow.queue import Finish
+from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
 
@@ -35,8 +37,8 @@ def test_async_and_sync_entrypoints_succeed(conn: Conn, worker: WorkerThread) ->
     add_job(conn, "a", entrypoint="jobfuncs:noop")
     add_job(conn, "s", entrypoint="jobfuncs:sync_noop")
     runs = [enqueue(conn, "a"), enqueue(conn, "s")]
+    wait_for(lambda: all(finished(conn, r) for r in runs))
     for run_id in runs:
-        wait_for(lambda r=run_id: finished(conn, r))
         [attempt] = attempts(conn, run_id)
         assert attempt["outcome"] == "succeeded" and attempt["worker_id"] == "test-worker"
         row = run_row(conn, run_id)
@@ -228,3 +230,111 @@ def test_max_active_runs_holds_across_workers(conn: Conn, db_url: str) -> None:
         FROM pgflow.attempts a""").fetchone()
     assert peak is not None and peak["n"] <= 2
     assert len({a["worker_id"] for r in runs for a in attempts(conn, r)}) == 2
+
+
+# ---------------------------------------------------------------- capped claims (defect 16)
+
+
+def test_a_capped_run_of_high_priority_goes_before_uncapped_work_of_lower_priority(
+        conn: Conn, db_url: str, tmp_path: Path) -> None:
+    path = tmp_path / "order"
+    add_job(conn, "bulk", entrypoint="jobfuncs:record", priority=-10, params={"path": str(path)})
+    add_job(conn, "urgent", entrypoint="jobfuncs:record", priority=100, max_active_runs=1,
+            params={"path": str(path)})
+    bulk = [enqueue(conn, "bulk", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
+            for i in range(3)]
+    urgent = enqueue(conn, "urgent")
+    handle = WorkerThread(db_url, concurrency=1)  # one slot: what is claimed first runs first
+    try:
+        wait_for(lambda: all(finished(conn, r) for r in [*bulk, urgent]))
+    finally:
+        handle.stop()
+    first = path.read_text().splitlines()[0]
+    assert int(first.split()[0]) == urgent
+
+
+def test_capped_jobs_at_their_cap_do_not_starve_the_others(conn: Conn, db_url: str) -> None:
+    names = [f"c{i:03d}" for i in range(150)]
+    registry.apply(conn, [JobSpec.model_validate({"name": n, "entrypoint": "jobfuncs:noop",
+                                                  "max_active_runs": 1}) for n in names])
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    for name in names[:100]:  # the alphabetically first 100 are at their cap, with a backlog
+        for moment in (at, at.replace(hour=1)):
+            enqueue(conn, name, at=moment)
+    conn.execute("UPDATE pgflow.runs SET state = 'running', attempt = 1, lease_owner = 'busy',"
+                 " lease_expires_at = now() + interval '1h', attempt_started_at = now()"
+                 " WHERE logical_time = %s", (at,))
+    others = [enqueue(conn, name, at=at) for name in names[100:]]
+    handle = WorkerThread(db_url, concurrency=8)
+    try:
+        wait_for(lambda: all(finished(conn, r) for r in others), timeout=30)
+    finally:
+        handle.stop()
+    assert conn.execute("SELECT count(*) AS n FROM pgflow.runs WHERE state = 'queued'"
+                        ).fetchone() == {"n": 100}  # the capped backlog still waits
+
+
+# ---------------------------------------------------------------- completion batches (15)
+
+
+def test_completion_batches_are_bounded_by_size() -> None:
+    from pgflow.log import get_logger
+    from pgflow.worker import MAX_FLUSH_CHARS, Worker
+
+    worker = Worker("postgresql:///unused", "w", 4, 30, get_logger(test=True))
+    big = "x" * (128 * 1024)
+    for i in range(200):
+        worker._record(Finish(run_id=i + 1, attempt=1, owner="w", state="succeeded",
+                              outcome="succeeded", started_at=None, stdout_tail=big))
+    batches = []
+    while worker._results:
+        batches.append(worker._next_batch())
+    assert sum(len(b) for b in batches) == 200 and len(batches) > 1
+    assert all(sum(queue.result_size(f) for f in b) <= MAX_FLUSH_CHARS for b in batches)
+
+
+def test_a_result_the_database_refuses_does_not_hold_back_the_others(conn: Conn,
+                                                                      db_url: str) -> None:
+    from pgflow.log import get_logger
+    from pgflow.worker import Worker
+
+    add_job(conn, "j", entrypoint="jobfuncs:noop")
+    runs = [enqueue(conn, "j", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
+            for i in range(5)]
+    claimed = conn.execute(q("claim_runs"), {"worker": "w15", "limit": 10, "ttl": 60}).fetchall()
+    assert len(claimed) == 5
+    # This database cannot hold a tail this long (as a batch can outgrow what one
+    # parameter holds): the statement carrying it fails whole.
+    conn.execute("ALTER TABLE pgflow.attempts ADD CONSTRAINT small_tails"
+                 " CHECK (length(stdout_tail) < 50000)")
+    poison = max(runs)
+
+    async def flush() -> None:
+        worker = Worker(db_url, "w15", 4, 60, get_logger(test=True))
+        for row in claimed:
+            tail = "y" * 65536 if row["id"] == poison else "ok\n"
+            worker._record(Finish(run_id=row["id"], attempt=1, owner="w15", state="succeeded",
+                                  outcome="succeeded", started_at=row["attempt_started_at"],
+                                  stdout_tail=tail))
+        conn_ = await worker._connect()
+        try:
+            await worker._flush_once(conn_)
+        finally:
+            await conn_.close()
+        assert worker._results == [] and worker._unrecorded == set()
+
+    asyncio.run(flush())
+    for run_id in runs:
+        assert finished(conn, run_id)
+    tails = {r: attempts(conn, r)[0]["stdout_tail"] for r in runs}
+    assert all(tails[r] == "ok\n" for r in runs if r != poison)
+    assert tails[poison].startswith("[pgflow: output cut") and tails[poison].endswith("y" * 4096)
+
+
+def test_an_error_postgresql_cannot_store_is_still_recorded(conn: Conn,
+                                                            worker: WorkerThread) -> None:
+    add_job(conn, "odd", entrypoint="fencefuncs:surrogate_error")
+    run_id = enqueue(conn, "odd")
+    wait_for(lambda: finished(conn, run_id, "failed"))
+    [attempt] = attempts(conn, run_id)
+    assert "no such file: report-" in attempt["error"] and attempt["error"].endswith(".csv")

@@ -9,16 +9,30 @@ handling are in ``_base``, and the groups are added to the root group here.
 
 from __future__ import annotations
 
-from pgflow.cli import apply, backfill, db, jobs, runs, serve, status, tokens, trigger
+from pgflow.cli import (
+    apply,
+    backfill,
+    breakers,
+    db,
+    jobs,
+    runs,
+    serve,
+    status,
+    tenants,
+    tokens,
+    trigger,
+)
 from pgflow.cli._base import cli, main, run
 
 cli.add_command(apply.apply_command)
 cli.add_command(backfill.backfill_command)
+cli.add_command(breakers.breakers_group)
 cli.add_command(db.db_group)
 cli.add_command(jobs.jobs_group)
 cli.add_command(runs.runs_group)
 cli.add_command(serve.serve_command)
 cli.add_command(status.status_command)
+cli.add_command(tenants.tenants_group)
 cli.add_command(tokens.token_group)
 cli.add_command(trigger.trigger_command)
 

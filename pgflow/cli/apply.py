@@ -14,12 +14,17 @@ from pgflow.cli._base import Ctx, emit_json, json_option, pass_ctx
 @json_option
 @pass_ctx
 def apply_command(ctx: Ctx, sources: tuple[str, ...], prune: bool, as_json: bool) -> None:
-    """Register jobs from TOML files, folders of them, or module:attr."""
+    """Register jobs (and tenants, sources) from TOML files, folders of them, or module:attr."""
     loaded = registry.load_sources(sources)
     result = registry.apply(ctx.conn(), loaded.specs, prune=prune, source=", ".join(sources),
-                            invalid=loaded.errors)
+                            invalid=loaded.errors, policies=loaded.policies)
+    kinds = ("created", "updated", "unchanged", "pruned")
     if as_json:
-        emit_json({**result.counts(), "jobs": {k: getattr(result, k) for k in result.counts()}})
+        emit_json({**result.counts(), "jobs": {k: getattr(result, k) for k in result.counts()},
+                   "policies": {k: getattr(result.policies, k) for k in kinds}})
     else:
         counts = result.counts()
         click.echo(", ".join(f"{k} {v}" for k, v in counts.items() if k != "pruned" or prune))
+        for kind in kinds:
+            if names := getattr(result.policies, kind):
+                click.echo(f"{kind}: {', '.join(names)}")

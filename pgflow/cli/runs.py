@@ -74,8 +74,7 @@ def _human(value: Any) -> str:
 @pass_ctx
 def runs_retry(ctx: Ctx, run_id: int) -> None:
     """Queue a failed or cancelled run again, with a fresh attempt budget."""
-    runs.retry(ctx.conn(), run_id)
-    click.echo(f"run {run_id} queued for retry")
+    click.echo(runs.retry_message(run_id, runs.retry(ctx.conn(), run_id)))
 
 
 @runs_group.command("cancel")

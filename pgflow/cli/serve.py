@@ -16,11 +16,16 @@ ALL_ROLES = ("scheduler", "worker", "reaper", "web")
 @click.option("--concurrency",
               help="Runs this replica executes at once [PGFLOW_CONCURRENCY, 16].")
 @click.option("--bind", help="host:port of the web role [PGFLOW_BIND, 127.0.0.1:8080].")
+@click.option("--health-bind",
+              help="host:port serving only /healthz and /readyz, for replicas without the"
+                   " web role [PGFLOW_HEALTH_BIND, off].")
 @click.option("--app", "apps", multiple=True, metavar="MODULE:ATTR",
               help="Register the jobs of a pgflow.Flow at start (repeatable).")
 @click.option("--grace", default="10s", show_default=True,
               help="How long running attempts may finish after SIGTERM.")
 @click.option("--lease-ttl", help="Seconds a lease lasts without heartbeat [PGFLOW_LEASE_TTL, 30].")
+@click.option("--retention",
+              help="How long finished runs are kept, e.g. 30d [PGFLOW_RETENTION, 30d].")
 @click.option("--database-url", "serve_url", help="libpq URL [PGFLOW_DATABASE_URL].")
 @click.option("--home", "serve_home", help="Data folder [PGFLOW_HOME].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
@@ -29,7 +34,8 @@ ALL_ROLES = ("scheduler", "worker", "reaper", "web")
               help="json | console | auto: console on a terminal [PGFLOW_LOG_FORMAT, auto].")
 @pass_ctx
 def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bind: str | None,
-                  apps: tuple[str, ...], grace: str, lease_ttl: str | None,
+                  health_bind: str | None,
+                  apps: tuple[str, ...], grace: str, lease_ttl: str | None, retention: str | None,
                   serve_url: str | None, serve_home: str | None, log_level: str,
                   log_format: str | None) -> None:
     """Run a replica: scheduler, worker, reaper and web roles."""
@@ -37,7 +43,8 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
     from pgflow.duration import parse_duration
     from pgflow.serve import ServeOptions, serve
 
-    ctx.override(database_url=serve_url, home=serve_home, lease_ttl=lease_ttl, bind=bind,
+    ctx.override(database_url=serve_url, home=serve_home, lease_ttl=lease_ttl,
+                 retention=retention, bind=bind, health_bind=health_bind,
                  concurrency=concurrency, log_format=log_format)
     try:
         grace_s = parse_duration(grace)
@@ -57,5 +64,6 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
     conn.close()
     logging_setup.configure(log_level, ctx.settings.log_format)
     serve(ServeOptions(url=url, roles=chosen, concurrency=ctx.settings.concurrency, grace=grace_s,
-                       lease_ttl=ctx.settings.lease_ttl, bind=ctx.settings.bind,
+                       lease_ttl=ctx.settings.lease_ttl, retention=ctx.settings.retention,
+                       bind=ctx.settings.bind, health_bind=ctx.settings.health_bind,
                        settings=ctx.settings, web_required="web" in roles))

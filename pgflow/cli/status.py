@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from pgflow import status
+from pgflow import breakers, status
 from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
 
 
@@ -16,6 +16,9 @@ from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
 def status_command(ctx: Ctx, as_json: bool) -> None:
     """Replicas, their roles, the leader and queue depth by state and tenant."""
     report = status.cluster_status(ctx.conn(), ctx.settings.lease_ttl)
+    report["breakers"] = [b for b in breakers.list_breakers(ctx.conn())
+                          if b["state"] != "closed" or b["failures"]]
+    report["breaker_transitions"] = breakers.recent_transitions(ctx.conn(), 10)
     if as_json:
         emit_json(report)
         return
@@ -31,6 +34,14 @@ def status_command(ctx: Ctx, as_json: bool) -> None:
     click.echo(f"queue: {totals}; dead letters {queue['dead_letters']}")
     if queue["by_tenant"]:
         emit_table(queue["by_tenant"], ["state", "tenant", "runs"])
+    if report["breakers"]:
+        click.echo(f"breakers: {len(report['breakers'])} not closed or failing")
+        emit_table(report["breakers"], ["source", "state", "failures", "half_open_at",
+                                        "held_runs", "reason"])
+    if report["breakers"] and report["breaker_transitions"]:
+        click.echo("recent breaker transitions:")
+        emit_table(report["breaker_transitions"], ["at", "source", "from_state", "to_state",
+                                                   "reason"])
 
 
 def _leader_line(leader: dict[str, Any] | None) -> str:

@@ -77,7 +77,7 @@ class WebState:
     cache: TtlCache = field(default_factory=lambda: TtlCache(5.0))
     started_at: float = field(default_factory=time.time)
     # Per-minute (finished, succeeded, failed) counts of the last 24 h, keyed by minute
-    # (epoch seconds); the dashboard only re-reads its last minutes.
+    # (epoch seconds), as the dashboard last read them (from pgflow.run_minutes).
     minutes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     minutes_lock: threading.Lock = field(default_factory=threading.Lock)
 

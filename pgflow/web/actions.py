@@ -217,8 +217,7 @@ def _run_action(verb: str) -> Act:
     def act(conn: Conn, viewer: Viewer, request: Request, form: Form) -> tuple[str, str | None]:
         run_id = _path_id(request)
         if verb == "retry":
-            runs.retry(conn, run_id)
-            return f"run {run_id} queued for retry", f"/runs/{run_id}"
+            return runs.retry_message(run_id, runs.retry(conn, run_id)), f"/runs/{run_id}"
         if verb == "cancel":
             result = runs.cancel(conn, run_id)
             return f"run {run_id}: {result['outcome']}", f"/runs/{run_id}"

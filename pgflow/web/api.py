@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from pgflow import backfill, breakers, registry, runs, status
+from pgflow import backfill, breakers, policies, registry, runs, status
 from pgflow.errors import NotFound
 from pgflow.queries import q
 from pgflow.spec import NAME_PATTERN, JobSpec, parse_job
@@ -39,6 +39,8 @@ from pgflow.web.models import (
     RunDetail,
     RunList,
     Status,
+    Tenant,
+    TenantList,
     TriggerRequest,
 )
 
@@ -168,14 +170,43 @@ def run_model(conn: Any, run_id: int) -> Run:
     return Run.model_validate(run_row(conn, run_id))
 
 
+# A page of runs with a filter its index does not cover reads at most this many index
+# entries (web_runs_floor); with 10,000,000 runs, a tenant's runs newest first read the
+# whole history (5 s) before this bound.
+RUNS_SCAN = 20_000
+
+
+def page_runs(conn: Any, *, limit: int, before: int | None = None, job: str | None = None,
+              state: str | None = None, tenant: str | None = None,
+              trigger: str | None = None, since: Any = None,
+              until: Any = None) -> tuple[list[dict[str, Any]], int | None]:
+    """Runs newest first below ``before`` and the cursor of the next page (None: no more).
+    A page may hold fewer than ``limit`` runs and still have a next page: when its
+    filters are not all served by one index, it looks at RUNS_SCAN runs at most."""
+    args = {"job": job, "state": state, "tenant": tenant, "trigger": trigger,
+            "since": since, "until": until, "scan": RUNS_SCAN,
+            "before_id": MAX_ID if before is None else min(max(before, 0), MAX_ID)}
+    residual = any(v is not None for v in (tenant, trigger, since, until)) or (
+        job is not None and state is not None)
+    floor = None
+    if residual:
+        row = conn.execute(q("web_runs_floor"), args).fetchone()
+        floor = None if row is None else row["floor"]
+    rows = conn.execute(q("web_runs_page"), {**args, "floor": floor,
+                                             "limit": limit + 1}).fetchall()
+    if len(rows) > limit:
+        return rows[:limit], int(rows[limit - 1]["id"])
+    return rows, None if floor is None else int(floor) + 1
+
+
 def list_runs(call: Call) -> tuple[int, BaseModel]:
     a = call.args
     before = int(a["cursor"]) if a["cursor"] is not None else None
-    rows = runs.list_runs(call.conn, a["job"], a["state"], a["tenant"], a["limit"], before,
-                          trigger=a["trigger"], since=a["since"], until=a["until"])
+    rows, cursor = page_runs(call.conn, limit=a["limit"], before=before, job=a["job"],
+                             state=a["state"], tenant=a["tenant"], trigger=a["trigger"],
+                             since=a["since"], until=a["until"])
     items = [Run.model_validate(row) for row in rows]
-    cursor = str(items[-1].id) if len(items) == a["limit"] else None
-    return 200, RunList(items=items, next_cursor=cursor)
+    return 200, RunList(items=items, next_cursor=None if cursor is None else str(cursor))
 
 
 def get_run(call: Call) -> tuple[int, BaseModel]:
@@ -237,6 +268,11 @@ def close_breaker(call: Call) -> tuple[int, BaseModel]:
     return 200, Breaker.model_validate(row)
 
 
+def list_tenants(call: Call) -> tuple[int, BaseModel]:
+    rows = policies.list_tenants(call.conn)
+    return 200, TenantList(items=[Tenant.model_validate(r) for r in rows])
+
+
 def get_status(call: Call) -> tuple[int, BaseModel]:
     report = status.cluster_status(call.conn, call.state.settings.lease_ttl)
     report["open_breakers"] = breakers.open_sources(call.conn)
@@ -274,7 +310,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              pause_job, Job, params=(JOB_NAME,), errors=(404,)),
     Endpoint("POST", "/jobs/{name}/resume", "resumeJob", "Resume a paused job.", "operator",
              resume_job, Job, params=(JOB_NAME,), errors=(404,)),
-    Endpoint("GET", "/runs", "listRuns", "List runs, newest first, filtered, by pages.",
+    Endpoint("GET", "/runs", "listRuns",
+             "List runs, newest first, filtered, by pages. Follow next_cursor until it is"
+             " null: with filters that need a scan (tenant, trigger, since/until, job with"
+             " state) a page looks at a bounded slice of history and may hold fewer runs"
+             " than limit, even none, before the last page.",
              "viewer", list_runs, RunList, params=(
                  Param("job", "query", NAME_SCHEMA, "Only this job's runs."),
                  Param("state", "query", {"type": "string", "enum": STATES},
@@ -314,6 +354,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/breakers/{source}/close", "closeBreaker",
              "Close a source's breaker.", "operator", close_breaker, Breaker,
              params=(SOURCE,), body=BreakerChange, errors=(404, 409)),
+    Endpoint("GET", "/tenants", "listTenants",
+             "Tenants (defined or used by a job): weight, cap, running and queued runs.",
+             "viewer", list_tenants, TenantList),
     Endpoint("GET", "/status", "getStatus",
              "Replicas, the scheduling leader, queue depth and open breakers.", "viewer",
              get_status, Status),

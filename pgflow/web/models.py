@@ -212,15 +212,40 @@ class BackfillRequest(_In):
 
 class Breaker(_Out):
     source: str
-    state: Literal["open", "closed"]
+    state: Literal["open", "closed", "half_open"]
     reason: str | None
     changed_at: datetime | None
     changed_by: str | None
     jobs: int = Field(description="Jobs that list this source.")
+    failures: int = Field(default=0, description="Consecutive source-unavailable attempts.")
+    opened_at: datetime | None = None
+    cooldown_s: float | None = Field(default=None, description="Cooldown of this opening.")
+    manual: bool = Field(default=False, description="Opened by hand: no probe, stays open.")
+    probe_run: int | None = Field(default=None, description="The half-open breaker's probe.")
+    half_open_at: datetime | None = None
+    failure_threshold: int = 3
+    base_cooldown_s: float = 60.0
+    max_concurrency: int | None = None
+    held_runs: int = Field(default=0, description="Runs held by this breaker.")
 
 
 class BreakerList(_Out):
     items: list[Breaker]
+
+
+class Tenant(_Out):
+    name: str
+    weight: float = Field(description="Share of worker slots when tenants compete.")
+    max_concurrency: int | None = Field(description="Cluster-wide cap on running runs.")
+    defined: bool = Field(description="Has a [tenants] entry (else the defaults).")
+    jobs: int
+    running: int
+    queued: int
+    held: int = Field(description="Queued runs held by a breaker.")
+
+
+class TenantList(_Out):
+    items: list[Tenant]
 
 
 class BreakerChange(_In):
@@ -275,4 +300,4 @@ class Status(_Out):
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Error, JobList, Job, JobApplied, JobDeleted, RunList, Run, RunDetail, BackfillList, Backfill,
-    BreakerList, Breaker, Status)
+    BreakerList, Breaker, TenantList, Tenant, Status)

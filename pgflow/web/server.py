@@ -42,8 +42,9 @@ def bind_socket(bind: str) -> socket.socket:
 
 
 async def run_web(url: str, settings: Settings, bind: str, stop: asyncio.Event,
-                  log: Any) -> None:
-    """Serve the web role on ``bind`` until ``stop`` is set.
+                  log: Any, *, secret: bytes | None = None) -> None:
+    """Serve the web role on ``bind`` until ``stop`` is set; ``secret`` signs sessions
+    (default: ``load_secret``, which reads ``PGFLOW_SECRET_KEY``).
 
     Refuses (PgflowError) a non-loopback bind while no admin token exists, and an
     address that cannot be bound, before serving anything.
@@ -55,7 +56,7 @@ async def run_web(url: str, settings: Settings, bind: str, stop: asyncio.Event,
     finally:
         await asyncio.to_thread(conn.close)
     sock = bind_socket(bind)
-    app = create_app(url, settings)
+    app = create_app(url, settings, secret=secret)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                             proxy_headers=True, server_header=False,
                             timeout_graceful_shutdown=5)

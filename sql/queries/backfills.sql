@@ -14,25 +14,27 @@ ORDER BY id
 FOR UPDATE
 
 -- name: release_backfill_runs
--- Top running backfills up to their cap: their pending runs of the backfilled job become
--- queued, oldest logical time first, while fewer than max_concurrency of them are queued,
--- running or retrying. Run it as the statement after lock_backfills (a fresh snapshot that
--- sees every release committed before the lock), so the cap holds.
+-- Top running backfills up to their cap. The runs a backfill holds (pending, trigger
+-- 'backfill': its job's ticks, the other roots of their DAG runs with --downstream, and
+-- downstream runs whose upstreams had already run) become queued, oldest logical time
+-- first, while fewer than max_concurrency of its held-and-released runs are queued,
+-- running or retrying; runs waiting for upstreams (trigger 'dependency') are not
+-- counted. Run it as the statement after lock_backfills (a fresh snapshot that sees
+-- every release committed before the lock), so the cap holds.
 WITH room AS (
-    SELECT b.id, b.job,
-           b.max_concurrency - count(r.id) AS free
+    SELECT b.id,
+           b.max_concurrency - (SELECT count(*) FROM pgflow.runs r
+                                WHERE r.backfill_id = b.id AND r.trigger = 'backfill'
+                                  AND r.state IN ('queued', 'running', 'retrying')) AS free
     FROM pgflow.backfills b
-    LEFT JOIN pgflow.runs r ON r.backfill_id = b.id AND r.job = b.job
-                           AND r.state IN ('queued', 'running', 'retrying')
     WHERE b.id = ANY(%(ids)s::bigint[])
-    GROUP BY b.id
 ), picked AS (
     SELECT p.id
     FROM room
     CROSS JOIN LATERAL (
         SELECT r.id FROM pgflow.runs r
-        WHERE r.backfill_id = room.id AND r.job = room.job AND r.state = 'pending'
-        ORDER BY r.logical_time
+        WHERE r.backfill_id = room.id AND r.state = 'pending' AND r.trigger = 'backfill'
+        ORDER BY r.logical_time, r.id
         LIMIT greatest(room.free, 0)
         FOR UPDATE SKIP LOCKED
     ) p
@@ -42,8 +44,10 @@ FROM picked WHERE r.id = picked.id
 RETURNING r.id
 
 -- name: complete_backfills
+-- The backfills %(ids)s that have nothing left to run are completed. Called in the
+-- transactions that end their last runs; the safety net completes any that were missed.
 UPDATE pgflow.backfills b SET state = 'completed', finished_at = now()
-WHERE b.state = 'running'
+WHERE b.id = ANY(%(ids)s::bigint[]) AND b.state = 'running'
   AND NOT EXISTS (SELECT 1 FROM pgflow.runs r WHERE r.backfill_id = b.id
                   AND r.state IN ('pending', 'queued', 'running', 'retrying'))
 RETURNING id

@@ -49,17 +49,23 @@ SELECT * FROM unnest(%(dep_jobs)s::text[], %(dep_upstreams)s::text[])
 
 -- name: delete_jobs
 -- History stays: runs are kept, but runs that have not started yet are cancelled
--- and running ones are asked to stop.
+-- and running ones are asked to stop. Returns the backfills of the cancelled runs (the
+-- caller completes those left with nothing to run). No pending run downstream can be
+-- left behind: a job is only removed together with, or after, the jobs depending on it.
 WITH gone AS (
     DELETE FROM pgflow.jobs WHERE name = ANY(%(names)s::text[]) RETURNING name
 ), unstarted AS (
     UPDATE pgflow.runs SET state = 'cancelled', finished_at = now()
     WHERE job IN (SELECT name FROM gone) AND state IN ('pending', 'queued', 'retrying')
+    RETURNING backfill_id
 ), started AS (
     UPDATE pgflow.runs SET cancel_requested = true
     WHERE job IN (SELECT name FROM gone) AND state = 'running'
 )
-SELECT name FROM gone
+SELECT name,
+       ARRAY(SELECT DISTINCT backfill_id FROM unstarted WHERE backfill_id IS NOT NULL)
+           AS backfills
+FROM gone
 
 -- name: downstreams_of
 SELECT job, upstream FROM pgflow.job_deps

@@ -3,19 +3,56 @@
 -- which rows came back.
 
 -- name: claim_runs
--- Claim up to %(limit)s runs for one worker, highest priority first, then oldest.
--- Runs of a job that touches a source whose breaker is open stay queued; the check
--- costs one lookup per statement while no breaker is open.
-WITH picked AS (
-    SELECT id FROM pgflow.runs r
-    WHERE state IN ('queued', 'retrying') AND NOT capped AND available_at <= now()
-      AND (NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state = 'open')
-           OR NOT EXISTS (SELECT 1 FROM pgflow.jobs j
-                          JOIN pgflow.breakers b ON b.source = ANY(j.sources)
-                          WHERE j.name = r.job AND b.state = 'open'))
-    ORDER BY priority DESC, available_at, id
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+-- Claim up to %(limit)s runs for one worker: highest priority first; among equal
+-- priorities, tenants share the slots by weight, cluster-wide (pgflow/policies.py):
+-- each waiting tenant (a skip scan of runs_claimable_idx, one probe per tenant) offers
+-- its best %(limit)s runs, and a run's place is (running + k) / weight for its tenant's
+-- k-th candidate. Runs that count against a cap (capped) or wait for a breaker (held)
+-- are not in that index. A breaker opened with plain SQL (no held flags yet) holds its
+-- runs too: the check costs one lookup per statement while every breaker is closed.
+WITH RECURSIVE waiting(tenant) AS (
+    (SELECT tenant FROM pgflow.runs
+     WHERE state IN ('queued', 'retrying') AND NOT capped AND NOT held
+     ORDER BY tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.tenant FROM pgflow.runs r
+            WHERE r.state IN ('queued', 'retrying') AND NOT r.capped AND NOT r.held
+              AND r.tenant > w.tenant
+            ORDER BY r.tenant LIMIT 1)
+    FROM waiting w WHERE w.tenant IS NOT NULL
+), contest AS MATERIALIZED (
+    SELECT count(*) > 1 AS shared FROM waiting WHERE tenant IS NOT NULL
+), running AS (
+    -- read only when tenants compete
+    SELECT tenant, count(*) AS n FROM pgflow.runs
+    WHERE state = 'running' AND (SELECT shared FROM contest)
+    GROUP BY tenant
+), candidates AS (
+    SELECT c.id, c.priority, c.available_at, w.tenant, coalesce(t.weight, 1) AS weight
+    FROM waiting w
+    LEFT JOIN pgflow.tenants t ON t.name = w.tenant
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.priority, r.available_at FROM pgflow.runs r
+        WHERE r.tenant = w.tenant AND r.state IN ('queued', 'retrying') AND NOT r.capped
+          AND NOT r.held AND r.available_at <= now()
+          AND (NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state <> 'closed')
+               OR NOT EXISTS (SELECT 1 FROM pgflow.jobs j
+                              JOIN pgflow.breakers b ON b.source = ANY(j.sources)
+                              WHERE j.name = r.job AND b.state <> 'closed'))
+        ORDER BY r.priority DESC, r.available_at, r.id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) c
+    WHERE w.tenant IS NOT NULL
+), ranked AS (
+    SELECT c.id, c.priority, c.available_at,
+           (coalesce(n.n, 0) + row_number() OVER (PARTITION BY c.tenant
+                                                  ORDER BY c.priority DESC, c.available_at,
+                                                           c.id)) / c.weight AS place
+    FROM candidates c
+    LEFT JOIN running n ON n.tenant = c.tenant
+), picked AS (
+    SELECT id FROM ranked ORDER BY priority DESC, place, available_at, id LIMIT %(limit)s
 ), claimed AS (
     UPDATE pgflow.runs r
     SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
@@ -30,45 +67,183 @@ WITH picked AS (
 SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
        c.attempt_started_at,
        c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
-       j.jitter, j.no_retry_exit_codes
+       j.jitter, j.no_retry_exit_codes, j.sources
 FROM claimed c
 LEFT JOIN pgflow.jobs j ON j.name = c.job
 
 -- name: capped_jobs_waiting
--- Jobs with a max_active_runs cap that have claimable runs.
-SELECT DISTINCT job FROM pgflow.runs
-WHERE state IN ('queued', 'retrying') AND capped AND available_at <= now()
-ORDER BY job
+-- Capped jobs with room under every cap that counts their runs (their own, their
+-- tenant's, their sources') and a claimable run, best waiting priority first (a job at
+-- its cap must not hide the others, whatever their names), and the priority of the
+-- best claimable uncapped run: capped runs at least that high are claimed before the
+-- uncapped claim, so uncapped work of lower priority never starves them. The waiting
+-- jobs come from a skip scan of runs_claimable_capped_idx: one probe per job, not per
+-- run; the waiting tenants likewise from runs_claimable_idx.
+WITH RECURSIVE waiting(job) AS (
+    (SELECT job FROM pgflow.runs
+     WHERE state IN ('queued', 'retrying') AND capped AND NOT held ORDER BY job LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.job FROM pgflow.runs r
+            WHERE r.state IN ('queued', 'retrying') AND r.capped AND NOT r.held
+              AND r.job > w.job
+            ORDER BY r.job LIMIT 1)
+    FROM waiting w WHERE w.job IS NOT NULL
+), tenants(tenant) AS (
+    (SELECT tenant FROM pgflow.runs
+     WHERE state IN ('queued', 'retrying') AND NOT capped AND NOT held
+     ORDER BY tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT r.tenant FROM pgflow.runs r
+            WHERE r.state IN ('queued', 'retrying') AND NOT r.capped AND NOT r.held
+              AND r.tenant > w.tenant
+            ORDER BY r.tenant LIMIT 1)
+    FROM tenants w WHERE w.tenant IS NOT NULL
+), best AS (
+    SELECT w.job, b.priority, b.available_at
+    FROM waiting w
+    LEFT JOIN pgflow.jobs j ON j.name = w.job
+    CROSS JOIN LATERAL (
+        SELECT r.priority, r.available_at FROM pgflow.runs r
+        WHERE r.job = w.job AND r.state IN ('queued', 'retrying') AND r.capped AND NOT r.held
+          AND r.available_at <= now()
+        ORDER BY r.priority DESC, r.available_at
+        LIMIT 1
+    ) b
+    CROSS JOIN LATERAL (
+        -- the room under each cap (NULL: no such cap); a job deleted, or no longer
+        -- capped, that still has capped runs: one at a time
+        SELECT least(
+            CASE WHEN j.name IS NULL OR j.max_active_runs IS NOT NULL OR NOT j.capped
+                 THEN coalesce(j.max_active_runs, 1)
+                      - (SELECT count(*) FROM pgflow.runs x
+                         WHERE x.job = w.job AND x.state = 'running' AND x.capped) END,
+            (SELECT t.max_concurrency - (SELECT count(*) FROM pgflow.runs x
+                                         WHERE x.tenant = t.name AND x.state = 'running'
+                                           AND x.capped)
+             FROM pgflow.tenants t
+             WHERE t.name = j.tenant AND t.max_concurrency IS NOT NULL),
+            (SELECT min(s.max_concurrency - (SELECT count(*) FROM pgflow.jobs sj
+                                             JOIN pgflow.runs x ON x.job = sj.name
+                                             WHERE sj.sources @> ARRAY[s.name]
+                                               AND x.state = 'running' AND x.capped))
+             FROM pgflow.sources s
+             WHERE s.name = ANY(j.sources) AND s.max_concurrency IS NOT NULL)) AS free
+    ) room
+    WHERE w.job IS NOT NULL AND coalesce(room.free, 1) > 0
+      AND NOT EXISTS (SELECT 1 FROM pgflow.breakers bk
+                      WHERE bk.source = ANY(j.sources) AND bk.state <> 'closed')
+)
+SELECT job, priority,
+       (SELECT max(u.priority)
+        FROM tenants tw
+        CROSS JOIN LATERAL (
+            SELECT r.priority FROM pgflow.runs r
+            WHERE r.tenant = tw.tenant AND r.state IN ('queued', 'retrying') AND NOT r.capped
+              AND NOT r.held AND r.available_at <= now()
+              AND (NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state <> 'closed')
+                   OR NOT EXISTS (SELECT 1 FROM pgflow.jobs j
+                                  JOIN pgflow.breakers b ON b.source = ANY(j.sources)
+                                  WHERE j.name = r.job AND b.state <> 'closed'))
+            ORDER BY r.priority DESC, r.available_at, r.id
+            LIMIT 1) u
+        WHERE tw.tenant IS NOT NULL) AS uncapped_priority
+FROM best
+ORDER BY priority DESC, available_at, job
 LIMIT 100
 
 -- name: lock_capped_jobs
--- Claims of a capped job take turns (transaction-scoped, in name order: no deadlock).
-SELECT count(pg_advisory_xact_lock(1885759855, hashtext(job)))  -- class: "pgfo"
-FROM (SELECT unnest(%(jobs)s::text[]) AS job ORDER BY 1) j
+-- Claims that may touch one capped job, tenant or source take turns: a transaction-
+-- scoped lock per key (the jobs, their capped tenants, their capped sources), taken in
+-- the order of the keys' hashes, the same total order in every claim: no deadlock.
+SELECT count(pg_advisory_xact_lock(1885759855, k))  -- class: "pgfo"
+FROM (
+    SELECT DISTINCT hashtext(key) AS k FROM (
+        SELECT 'job:' || i.job AS key FROM unnest(%(jobs)s::text[]) AS i(job)
+        UNION ALL
+        SELECT 'tenant:' || t.name FROM pgflow.jobs j
+        JOIN pgflow.tenants t ON t.name = j.tenant AND t.max_concurrency IS NOT NULL
+        WHERE j.name = ANY(%(jobs)s::text[])
+        UNION ALL
+        SELECT 'source:' || s.name FROM pgflow.jobs j
+        JOIN pgflow.sources s ON s.name = ANY(j.sources) AND s.max_concurrency IS NOT NULL
+        WHERE j.name = ANY(%(jobs)s::text[])
+    ) keys
+    ORDER BY 1
+) locks
 
 -- name: claim_capped_runs
 -- Run after lock_capped_jobs, as a new statement: its snapshot sees every claim that
--- committed before we got the locks, so the count of running runs is exact. Its claim
--- step repeats claim_runs' on purpose: the hot, uncapped claim stays one statement.
+-- committed before we got the locks, so the counts of running runs are exact. Each job
+-- offers up to the room under its own, its tenant's and its sources' caps; a candidate
+-- is kept only if its rank within its tenant, and within every capped source it
+-- touches, is inside that cap's room (a run touching two sources needs a slot in both).
+-- Its claim step repeats claim_runs' on purpose: the hot, uncapped claim stays one
+-- statement. %(min_priority)s (or NULL) limits it to runs that must go before the
+-- uncapped claim.
 WITH room AS (
-    SELECT j.name, j.max_active_runs
-               - (SELECT count(*) FROM pgflow.runs x WHERE x.job = j.name AND x.state = 'running'
-                  AND x.capped)
+    SELECT i.job, coalesce(j.tenant, '') AS tenant, coalesce(j.sources, '{}') AS sources,
+           coalesce(t.weight, 1) AS weight,
+           CASE WHEN j.name IS NULL OR j.max_active_runs IS NOT NULL OR NOT j.capped
+                THEN coalesce(j.max_active_runs, 1)
+                     - (SELECT count(*) FROM pgflow.runs x WHERE x.job = i.job
+                        AND x.state = 'running' AND x.capped) END AS free
+    FROM unnest(%(jobs)s::text[]) AS i(job)
+    LEFT JOIN pgflow.jobs j ON j.name = i.job
+    LEFT JOIN pgflow.tenants t ON t.name = j.tenant
+), tenant_room AS (
+    SELECT t.name AS tenant,
+           t.max_concurrency - (SELECT count(*) FROM pgflow.runs x
+                                WHERE x.tenant = t.name AND x.state = 'running' AND x.capped)
                AS free
-    FROM pgflow.jobs j
-    WHERE j.name = ANY(%(jobs)s::text[])
-), picked AS (
-    SELECT p.id
+    FROM pgflow.tenants t
+    WHERE t.max_concurrency IS NOT NULL AND t.name IN (SELECT tenant FROM room)
+), source_room AS (
+    SELECT s.name AS source,
+           s.max_concurrency - (SELECT count(*) FROM pgflow.jobs sj
+                                JOIN pgflow.runs x ON x.job = sj.name
+                                WHERE sj.sources @> ARRAY[s.name] AND x.state = 'running'
+                                  AND x.capped) AS free
+    FROM pgflow.sources s
+    WHERE s.max_concurrency IS NOT NULL
+      AND s.name IN (SELECT unnest(sources) FROM room)
+), candidates AS (
+    SELECT p.id, p.priority, p.available_at, room.tenant, room.sources, room.weight
     FROM room
     CROSS JOIN LATERAL (
         SELECT r.id, r.priority, r.available_at FROM pgflow.runs r
-        WHERE r.job = room.name AND r.state IN ('queued', 'retrying') AND r.capped
-          AND r.available_at <= now()
+        WHERE r.job = room.job AND r.state IN ('queued', 'retrying') AND r.capped
+          AND NOT r.held AND r.available_at <= now()
+          AND r.priority >= coalesce(%(min_priority)s::int, r.priority)
+          AND (NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state <> 'closed')
+               OR NOT EXISTS (SELECT 1 FROM pgflow.breakers b
+                              WHERE b.source = ANY(room.sources) AND b.state <> 'closed'))
         ORDER BY r.priority DESC, r.available_at, r.id
-        LIMIT greatest(coalesce(room.free, 1), 0)
+        LIMIT greatest(least(room.free,
+                             (SELECT tr.free FROM tenant_room tr WHERE tr.tenant = room.tenant),
+                             (SELECT min(sr.free) FROM source_room sr
+                              WHERE sr.source = ANY(room.sources)),
+                             %(limit)s), 0)
         FOR UPDATE SKIP LOCKED
     ) p
-    ORDER BY p.priority DESC, p.available_at, p.id
+), ranked AS (
+    SELECT c.id, c.priority, c.available_at,
+           row_number() OVER (PARTITION BY c.tenant
+                              ORDER BY c.priority DESC, c.available_at, c.id) AS rank,
+           c.tenant, c.weight
+    FROM candidates c
+), by_source AS (
+    SELECT c.id, s.source,
+           row_number() OVER (PARTITION BY s.source
+                              ORDER BY c.priority DESC, c.available_at, c.id) AS rank
+    FROM candidates c CROSS JOIN LATERAL unnest(c.sources) AS s(source)
+    WHERE s.source IN (SELECT source FROM source_room)
+), picked AS (
+    SELECT k.id FROM ranked k
+    LEFT JOIN tenant_room tr ON tr.tenant = k.tenant
+    WHERE (tr.free IS NULL OR k.rank <= tr.free)
+      AND NOT EXISTS (SELECT 1 FROM by_source bs JOIN source_room sr ON sr.source = bs.source
+                      WHERE bs.id = k.id AND bs.rank > sr.free)
+    ORDER BY k.priority DESC, k.rank / k.weight, k.available_at, k.id
     LIMIT %(limit)s
 ), claimed AS (
     UPDATE pgflow.runs r
@@ -84,16 +259,49 @@ WITH room AS (
 SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
        c.attempt_started_at,
        c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
-       j.jitter, j.no_retry_exit_codes
+       j.jitter, j.no_retry_exit_codes, j.sources
 FROM claimed c
 LEFT JOIN pgflow.jobs j ON j.name = c.job
 
 -- name: renew_leases
--- One heartbeat for every run a worker holds; the runs that come back are still its own.
-UPDATE pgflow.runs
-SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
-WHERE lease_owner = %(worker)s AND state = 'running'
-RETURNING id, attempt, cancel_requested
+-- One heartbeat for the exact (run, attempt) pairs a worker holds (%(ids)s, %(attempts)s):
+-- the pairs that come back (released IS NULL) are still its own, with their cancel flag.
+-- With %(release)s, the runs it owns but does not hold are given back in the same
+-- statement: a claim that committed but whose reply never reached the worker (the
+-- connection died). They are queued again at once (cancelled if a cancel was requested)
+-- with one more attempt in the budget; the attempt number is kept, so a fencing token is
+-- never handed out twice, and no attempt row is written: that attempt never ran. The
+-- worker asks for the release only while none of its claims is in flight.
+WITH held AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS h(id, attempt)
+), renewed AS (
+    UPDATE pgflow.runs r
+    SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+    FROM held h
+    WHERE r.id = h.id AND r.attempt = h.attempt AND r.lease_owner = %(worker)s
+      AND r.state = 'running'
+    RETURNING r.id, r.attempt, r.cancel_requested
+), released AS (
+    UPDATE pgflow.runs r
+    SET state = CASE WHEN r.cancel_requested THEN 'cancelled' ELSE 'queued' END,
+        finished_at = CASE WHEN r.cancel_requested THEN now() END,
+        available_at = now(), max_attempts = r.max_attempts + 1,
+        lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
+    WHERE %(release)s AND r.lease_owner = %(worker)s AND r.state = 'running'
+      AND NOT EXISTS (SELECT 1 FROM held h WHERE h.id = r.id AND h.attempt = r.attempt)
+    RETURNING r.id, r.attempt, r.state, r.backfill_id
+)
+SELECT id, attempt, cancel_requested, NULL::text AS released, NULL::bigint AS backfill_id
+FROM renewed
+UNION ALL
+SELECT id, attempt, false, state, backfill_id FROM released
+
+-- name: listen_worker
+LISTEN pgflow_queue; LISTEN pgflow_cancel
+
+-- name: ping
+-- A worker's listening connection, quiet for a while, checks that it is still alive.
+SELECT 1
 
 -- name: finish_attempts
 -- End attempts in bulk. A row only changes while the run is still running the same
@@ -105,20 +313,30 @@ RETURNING id, attempt, cancel_requested
 -- transaction finished while we waited for the lock, so two upstreams finishing at
 -- once queue their downstream exactly once.
 -- The batch comes as one JSON array of objects (cheaper to build than eleven arrays).
+-- A cancel requested while the attempt ran wins over every ending but success: the run
+-- becomes cancelled, not retrying, queued (interrupted) or failed, whatever the worker
+-- decided without knowing. A succeeded attempt stays succeeded: its work is done and
+-- cannot be undone. r.cancel_requested is read from the row as locked, so a cancel that
+-- commits while this statement waits for the row is seen.
 WITH result AS (
     SELECT * FROM jsonb_to_recordset(%(results)s::jsonb)
         AS t(id bigint, attempt int, owner text, state text, delay_s float8, outcome text,
              started_at timestamptz, exit_code int, error text, stdout_tail text,
-             stderr_tail text)
+             stderr_tail text, refund boolean)
 ), finished AS (
     UPDATE pgflow.runs r
-    SET state = res.state,
-        finished_at = CASE WHEN res.state IN ('succeeded', 'failed', 'cancelled') THEN now() END,
-        available_at = CASE WHEN res.state IN ('retrying', 'queued')
+    SET state = CASE WHEN r.cancel_requested AND res.state <> 'succeeded' THEN 'cancelled'
+                     ELSE res.state END,
+        finished_at = CASE WHEN res.state IN ('succeeded', 'failed', 'cancelled')
+                                OR r.cancel_requested THEN now() END,
+        available_at = CASE WHEN res.state IN ('retrying', 'queued') AND NOT r.cancel_requested
                             THEN now() + make_interval(secs => res.delay_s)
                             ELSE r.available_at END,
-        -- An interrupted attempt (graceful shutdown) does not use up the budget.
-        max_attempts = r.max_attempts + (res.outcome = 'interrupted')::int,
+        -- An interrupted attempt (graceful shutdown) does not use up the budget, nor does
+        -- a source-unavailable one while its breaker opens or is open (refund: the run
+        -- waits, held, for the breaker; pgflow/breakers.py).
+        max_attempts = r.max_attempts + (res.outcome = 'interrupted' OR res.refund)::int,
+        held = r.held OR res.refund,
         lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
     FROM result res
     -- IS NOT DISTINCT FROM (not indexable) keeps the planner on the primary key: with an
@@ -141,57 +359,11 @@ WITH result AS (
     ORDER BY p.id
     FOR UPDATE OF p
 )
-SELECT id, state, backfill_id, (SELECT array_agg(id) FROM candidates) AS candidates
+SELECT id, state, backfill_id, (SELECT array_agg(id) FROM candidates) AS candidates,
+       -- whether queue_ready_runs must look for late downstreams (pgflow/deps.py)
+       state = 'succeeded' AND EXISTS (SELECT 1 FROM pgflow.job_deps d
+                                       WHERE d.upstream = finished.job) AS downstream
 FROM finished
-
--- name: queue_ready_runs
--- Pending runs whose upstreams have all succeeded at their logical time become queued.
--- An upstream job with no run at that time is not part of this DAG run (a sub-DAG
--- trigger, a paused root) and does not hold it back.
-UPDATE pgflow.runs p
-SET state = 'queued', available_at = now()
-WHERE p.id = ANY(%(ids)s::bigint[]) AND p.state = 'pending'
-  AND NOT EXISTS (
-      SELECT 1 FROM pgflow.job_deps d
-      JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = p.logical_time
-      WHERE d.job = p.job AND u.state <> 'succeeded')
-RETURNING id
-
--- name: fail_downstreams
--- The runs %(ids)s failed or were cancelled: every pending run downstream of them
--- (transitively, same logical time) can no longer run and becomes upstream_failed.
-WITH RECURSIVE doomed(job, logical_time) AS (
-    SELECT r.job, r.logical_time FROM pgflow.runs r
-    WHERE r.id = ANY(%(ids)s::bigint[]) AND r.state IN ('failed', 'cancelled', 'upstream_failed')
-    UNION
-    SELECT d.job, x.logical_time FROM doomed x JOIN pgflow.job_deps d ON d.upstream = x.job
-)
-UPDATE pgflow.runs p
-SET state = 'upstream_failed', finished_at = now()
-FROM doomed x
-WHERE p.job = x.job AND p.logical_time = x.logical_time AND p.state = 'pending'
-RETURNING p.id
-
--- name: restore_downstreams
--- Run %(id)s was retried: the upstream_failed runs downstream of it go back to pending.
--- (The caller then re-applies fail_downstreams for other upstreams that are still failed.)
-WITH RECURSIVE affected(job, logical_time) AS (
-    SELECT job, logical_time FROM pgflow.runs WHERE id = %(id)s
-    UNION
-    SELECT d.job, a.logical_time FROM affected a JOIN pgflow.job_deps d ON d.upstream = a.job
-), restored AS (
-    UPDATE pgflow.runs p
-    SET state = 'pending', finished_at = NULL
-    FROM affected a
-    WHERE p.job = a.job AND p.logical_time = a.logical_time AND p.state = 'upstream_failed'
-    RETURNING p.id, p.job, p.logical_time
-)
-SELECT coalesce(array_agg(DISTINCT u.id), '{}') AS still_failed,
-       (SELECT count(*) FROM restored) AS restored
-FROM restored x
-JOIN pgflow.job_deps d ON d.job = x.job
-JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = x.logical_time
-WHERE u.state IN ('failed', 'cancelled') AND u.id <> %(id)s
 
 -- name: expired_leases
 -- Runs whose owner stopped renewing. Locked until the reaper's transaction ends, so a
@@ -207,97 +379,3 @@ FOR UPDATE OF r SKIP LOCKED
 
 -- name: notify_queue
 SELECT pg_notify('pgflow_queue', '')
-
--- name: create_runs
--- New runs, one per (job, logical_time); a pair that already has a run is skipped
--- (this is what makes a tick exactly-once). With %(downstream)s, each requested job
--- starts a DAG run for its logical time: a requested root brings the other unpaused
--- roots of its DAG (queued, same trigger), and every job downstream of the started
--- jobs gets a 'pending' run that the dependency engine queues when its upstreams
--- succeed. Workers are woken (pgflow_queue) when a queued run was created. A NULL time
--- means the database's now(), to the second.
-WITH RECURSIVE input AS (
-    SELECT DISTINCT i.job, coalesce(i.logical_time, date_trunc('second', now())) AS logical_time
-    FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
-), component(job, logical_time) AS (
-    SELECT i.job, i.logical_time FROM input i
-    WHERE %(downstream)s AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.job = i.job)
-    UNION
-    SELECT CASE WHEN d.upstream = c.job THEN d.job ELSE d.upstream END, c.logical_time
-    FROM component c
-    JOIN pgflow.job_deps d ON d.upstream = c.job OR d.job = c.job
-), started AS (
-    SELECT job, logical_time, true AS requested FROM input
-    UNION
-    SELECT c.job, c.logical_time, false FROM component c
-    JOIN pgflow.jobs j ON j.name = c.job
-    WHERE NOT j.paused AND NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.job = c.job)
-), closure(job, logical_time) AS (
-    SELECT d.job, s.logical_time FROM started s
-    JOIN pgflow.job_deps d ON d.upstream = s.job
-    WHERE %(downstream)s
-    UNION
-    SELECT d.job, c.logical_time FROM closure c JOIN pgflow.job_deps d ON d.upstream = c.job
-), wanted AS (
-    SELECT DISTINCT ON (job, logical_time) job, logical_time, requested, pending
-    FROM (
-        SELECT job, logical_time, requested, false AS pending FROM started
-        UNION ALL
-        SELECT job, logical_time, false, true FROM closure
-    ) w
-    ORDER BY job, logical_time, requested DESC, pending
-), inserted AS (
-INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant, priority,
-                         params, backfill_id, capped)
-SELECT w.job, w.logical_time,
-       CASE WHEN w.pending THEN 'pending' ELSE %(state)s END,
-       j.max_attempts,
-       CASE WHEN w.pending THEN 'dependency' ELSE %(trigger)s END,
-       j.tenant, j.priority + %(priority_offset)s,
-       CASE WHEN w.requested THEN j.params || coalesce(%(params)s::jsonb, '{}') ELSE j.params END,
-       %(backfill_id)s, j.max_active_runs IS NOT NULL
-FROM wanted w
-JOIN pgflow.jobs j ON j.name = w.job
-ORDER BY w.logical_time, w.job
-ON CONFLICT (job, logical_time) DO NOTHING
-RETURNING id, job, logical_time, state, trigger
-)
-SELECT id, job, logical_time, state, trigger,
-       -- pg_notify sends one message per transaction, however many rows call it.
-       CASE WHEN state = 'queued' THEN pg_notify('pgflow_queue', '') END AS woke
-FROM inserted
-
--- name: failed_upstreams
--- The failed or cancelled runs upstream of %(id)s (transitively, same logical time).
-WITH RECURSIVE ups(job, logical_time) AS (
-    SELECT job, logical_time FROM pgflow.runs WHERE id = %(id)s
-    UNION
-    SELECT d.upstream, u.logical_time FROM ups u JOIN pgflow.job_deps d ON d.job = u.job
-)
-SELECT r.id, r.job, r.state
-FROM ups u
-JOIN pgflow.runs r ON r.job = u.job AND r.logical_time = u.logical_time
-WHERE r.state IN ('failed', 'cancelled') AND r.id <> %(id)s
-ORDER BY r.id
-
--- name: create_plain_runs
--- Runs that start no DAG run: ticks and triggers of jobs without downstream jobs (the
--- caller knows, or asks with %(only_lone)s to skip any job that has downstream jobs),
--- and --no-downstream triggers. One INSERT that also wakes the workers; a NULL time
--- means the database's now(), to the second. Same result as create_runs for these jobs.
-WITH inserted AS (
-    INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,
-                             priority, params, capped)
-    SELECT j.name, coalesce(i.logical_time, date_trunc('second', now())), 'queued',
-           j.max_attempts, %(trigger)s, j.tenant, j.priority,
-           j.params || coalesce(%(params)s::jsonb, '{}'), j.max_active_runs IS NOT NULL
-    FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
-    JOIN pgflow.jobs j ON j.name = i.job
-    WHERE NOT %(only_lone)s
-       OR NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
-    ON CONFLICT (job, logical_time) DO NOTHING
-    RETURNING id, job, logical_time, state, trigger
-)
-SELECT id, job, logical_time, state, trigger,
-       (SELECT pg_notify('pgflow_queue', ''))::text AS woke  -- once per statement
-FROM inserted

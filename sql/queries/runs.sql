@@ -77,8 +77,15 @@ ORDER BY attempt
 
 -- name: run_retry
 -- A fresh attempt budget on top of the attempts already used; the job must still exist.
+-- A run with upstream runs at its logical time goes back to pending, and the caller
+-- settles it at once (deps.settle): it is queued only once they have all succeeded.
 UPDATE pgflow.runs r
-SET state = 'queued', max_attempts = r.attempt + j.max_attempts, finished_at = NULL,
+SET state = CASE WHEN EXISTS (
+                     SELECT 1 FROM pgflow.job_deps d
+                     JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
+                     WHERE d.job = r.job)
+                 THEN 'pending' ELSE 'queued' END,
+    max_attempts = r.attempt + j.max_attempts, finished_at = NULL,
     acked_at = NULL, cancel_requested = false, available_at = coalesce(%(now)s, now())
 FROM pgflow.jobs j
 WHERE r.id = %(id)s AND r.state IN ('failed', 'cancelled') AND j.name = r.job
@@ -94,11 +101,12 @@ WITH changed AS (
                            ELSE coalesce(%(now)s, now()) END,
         cancel_requested = true
     WHERE id = %(id)s AND state IN ('pending', 'queued', 'retrying', 'running')
-    RETURNING id, job, state, lease_owner
+    RETURNING id, job, state, lease_owner, backfill_id
 ), told AS (
     SELECT pg_notify('pgflow_cancel', id::text) FROM changed WHERE state = 'running'
 )
-SELECT id, job, state, lease_owner, (SELECT count(*) FROM told) AS notified FROM changed
+SELECT id, job, state, lease_owner, backfill_id, (SELECT count(*) FROM told) AS notified
+FROM changed
 
 -- name: run_ack
 UPDATE pgflow.runs

@@ -9,10 +9,19 @@ SELECT coalesce(%(now)s::timestamptz, now()) AS now
 -- name: due_jobs
 -- Root jobs whose next tick has come, oldest first. Locked for the pass: a second
 -- scheduler skips them instead of planning the same ticks. Served by jobs_due_idx.
--- in_dag: the job has downstream jobs, so its tick starts a whole DAG run.
-SELECT name, schedule, timezone, catchup, next_fire_at,
-       EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name) AS in_dag
-FROM pgflow.jobs j
+-- in_dag: the job has downstream jobs, so its tick starts a whole DAG run of dag_runs
+-- runs (the job and everything downstream of it), which weighs on the pass's budget.
+SELECT name, schedule, timezone, catchup, next_fire_at, in_dag,
+       CASE WHEN in_dag THEN (
+           WITH RECURSIVE down(job) AS (
+               SELECT j.name
+               UNION
+               SELECT d.job FROM down JOIN pgflow.job_deps d ON d.upstream = down.job)
+           SELECT count(*) FROM down)::int
+       ELSE 1 END AS dag_runs
+FROM pgflow.jobs j,
+     LATERAL (SELECT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
+              AS in_dag) x
 WHERE NOT paused AND next_fire_at IS NOT NULL AND next_fire_at <= %(now)s::timestamptz
 ORDER BY next_fire_at
 LIMIT %(batch)s

@@ -80,10 +80,45 @@ SELECT upstream, job FROM pgflow.job_deps
 WHERE job = ANY(%(jobs)s::text[]) AND upstream = ANY(%(jobs)s::text[])
 ORDER BY upstream, job
 
+-- name: web_rollup_minutes
+-- Count the closed minutes (ended more than %(settle_s)s ago, so that runs stamped with
+-- a transaction's start time have committed) of the last 24 hours that have no row in
+-- run_minutes yet, oldest first, at most %(limit)s minutes per call (runs_finished_idx):
+-- a dashboard's cost stays bounded even on the first call of a busy installation. Empty
+-- minutes get a row of zeros (they are counted too), and rows older than 25 hours go.
+-- Web replicas may race: a minute's count is the same whoever inserts it.
+WITH bounds AS (
+    SELECT greatest(date_trunc('minute', now() - interval '24 hours'),
+                    (SELECT max(minute) + interval '1 minute' FROM pgflow.run_minutes))
+               AS lower,
+           date_trunc('minute', now() - make_interval(secs => %(settle_s)s)) AS upper
+), todo AS (
+    SELECT m AS minute
+    FROM bounds b,
+         generate_series(b.lower, least(b.upper, b.lower + make_interval(mins => %(limit)s))
+                                  - interval '1 minute', interval '1 minute') AS m
+), counted AS (
+    SELECT date_trunc('minute', r.finished_at) AS minute, count(*)::int AS finished,
+           count(*) FILTER (WHERE r.state = 'succeeded')::int AS succeeded,
+           count(*) FILTER (WHERE r.state = 'failed')::int AS failed
+    FROM pgflow.runs r
+    WHERE r.finished_at >= (SELECT min(minute) FROM todo)
+      AND r.finished_at < (SELECT max(minute) + interval '1 minute' FROM todo)
+    GROUP BY 1
+), forgotten AS (
+    DELETE FROM pgflow.run_minutes WHERE minute < now() - interval '25 hours'
+)
+INSERT INTO pgflow.run_minutes (minute, finished, succeeded, failed)
+SELECT t.minute, coalesce(c.finished, 0), coalesce(c.succeeded, 0), coalesce(c.failed, 0)
+FROM todo t LEFT JOIN counted c ON c.minute = t.minute
+ON CONFLICT (minute) DO NOTHING
+
 -- name: web_dashboard
 -- Everything the dashboard shows, in one statement: queue depth, dead letters, the
 -- oldest claimable run, replicas and leader, open breakers, and runs finished per
--- minute since %(since)s (runs_finished_idx; the caller keeps older minutes).
+-- minute over the last 24 hours: the counted minutes (run_minutes, see
+-- web_rollup_minutes) and, from runs_finished_idx, the minutes after them, at most the
+-- last %(live_s)s seconds (older minutes not yet counted show up once they are).
 SELECT now() AS now,
        (SELECT coalesce(jsonb_agg(d ORDER BY d.state, d.tenant), '[]')
         FROM (SELECT state, tenant, count(*)::int AS runs FROM pgflow.runs
@@ -105,12 +140,18 @@ SELECT now() AS now,
        ARRAY(SELECT source FROM pgflow.breakers WHERE state = 'open' ORDER BY source)
            AS open_breakers,
        (SELECT coalesce(jsonb_agg(m ORDER BY m.minute), '[]')
-        FROM (SELECT extract(epoch FROM date_trunc('minute', finished_at))::bigint AS minute,
-                     count(*)::int AS finished,
-                     count(*) FILTER (WHERE state = 'succeeded')::int AS succeeded,
-                     count(*) FILTER (WHERE state = 'failed')::int AS failed
+        FROM (SELECT extract(epoch FROM minute)::bigint AS minute, finished, succeeded, failed
+              FROM pgflow.run_minutes
+              WHERE minute >= date_trunc('minute', now() - interval '24 hours')
+              UNION ALL
+              SELECT extract(epoch FROM date_trunc('minute', finished_at))::bigint,
+                     count(*)::int, count(*) FILTER (WHERE state = 'succeeded')::int,
+                     count(*) FILTER (WHERE state = 'failed')::int
               FROM pgflow.runs
-              WHERE finished_at >= coalesce(%(since)s::timestamptz, now() - interval '24 hours')
+              WHERE finished_at >= greatest(
+                        (SELECT max(minute) + interval '1 minute' FROM pgflow.run_minutes),
+                        now() - make_interval(secs => %(live_s)s),
+                        date_trunc('minute', now() - interval '24 hours'))
                 AND finished_at IS NOT NULL
               GROUP BY 1) m) AS minutes
 
@@ -173,3 +214,37 @@ SELECT DISTINCT tenant FROM pgflow.jobs ORDER BY 1
 
 -- name: web_now
 SELECT now() AS now
+
+-- name: web_runs_floor
+-- Run listings with a filter that their index does not cover (tenant, trigger, logical
+-- time, or a state within a job) read at most %(scan)s index entries per page: this is
+-- the id of the entry %(scan)s places below the cursor on the index the page walks
+-- (runs_job_idx, runs_state_idx or the primary key), or NULL when fewer are left. Only
+-- the branch taken runs (each subquery is an init plan).
+SELECT CASE
+    WHEN %(job)s::text IS NOT NULL THEN
+        (SELECT id FROM pgflow.runs WHERE job = %(job)s AND id < %(before_id)s
+         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+    WHEN %(state)s::text IS NOT NULL THEN
+        (SELECT id FROM pgflow.runs WHERE state = %(state)s AND id < %(before_id)s
+         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+    ELSE
+        (SELECT id FROM pgflow.runs WHERE id < %(before_id)s
+         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+    END AS floor
+
+-- name: web_runs_page
+-- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
+-- web_runs_floor), optional filters as everywhere in this file.
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+ORDER BY id DESC
+LIMIT %(limit)s

@@ -322,8 +322,10 @@ def test_breakers_open_and_close(client: httpx.Client, as_role: Headers,
                                  world: dict[str, Any], conn: Conn) -> None:
     operator = as_role["operator"]
     listed = client.get("/api/v1/breakers", headers=as_role["viewer"]).json()["items"]
-    assert listed[1:] == [{"source": "warehouse", "state": "closed", "reason": None,
-                           "changed_at": None, "changed_by": None, "jobs": 1}]
+    assert [{k: b[k] for k in ("source", "state", "reason", "changed_at", "changed_by",
+                                "jobs", "failures", "held_runs")} for b in listed[1:]] == [
+        {"source": "warehouse", "state": "closed", "reason": None, "changed_at": None,
+         "changed_by": None, "jobs": 1, "failures": 0, "held_runs": 0}]
     assert listed[0]["source"] == "dock" and listed[0]["state"] == "open"
     opened = client.post("/api/v1/breakers/warehouse/open", json={"reason": "maintenance"},
                          headers=operator).json()

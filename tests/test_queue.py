@@ -1,0 +1,205 @@
+"""The lifecycle statements (claim, renew, finish, reap) against real PostgreSQL, called
+the way workers and the reaper call them: cancels that race an ending, renewals of exact
+(run, attempt) pairs, claims whose reply never arrived, fair capped claims."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from engine import add_job, attempts, enqueue, run_row, start_dag
+
+from pgflow import queue, reaper, registry, retry
+from pgflow.queries import q
+from pgflow.queue import Finish
+from pgflow.spec import JobSpec
+
+Conn = psycopg.Connection[dict[str, Any]]
+AConn = psycopg.AsyncConnection[Any]
+T = TypeVar("T")
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def on(db_url: str, work: Callable[[AConn], Awaitable[T]]) -> T:
+    """Run ``work`` on a fresh async connection (as a worker's loop would)."""
+    async def main() -> T:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
+            return await work(aconn)
+    return asyncio.run(main())
+
+
+def claim(conn: Conn, worker: str, limit: int = 100, ttl: float = 30) -> list[dict[str, Any]]:
+    return conn.execute(q("claim_runs"), {"worker": worker, "limit": limit, "ttl": ttl}).fetchall()
+
+
+def ending(row: dict[str, Any], state: str, outcome: str, worker: str = "w") -> Finish:
+    return Finish(run_id=row["id"], attempt=row["attempt"], owner=worker, state=state,
+                  outcome=outcome, started_at=row["attempt_started_at"])
+
+
+def request_cancel(conn: Conn, run_id: int) -> None:
+    """A cancel that committed while the attempt ran (its notification not yet seen)."""
+    conn.execute("UPDATE pgflow.runs SET cancel_requested = true WHERE id = %s", (run_id,))
+
+
+# ---------------------------------------------------------------- defect 6: cancels
+
+
+@pytest.mark.parametrize(("state", "outcome", "final"), [
+    ("retrying", retry.FAILED, "cancelled"),
+    ("retrying", retry.TIMED_OUT, "cancelled"),
+    ("queued", retry.INTERRUPTED, "cancelled"),
+    ("failed", retry.FAILED, "cancelled"),
+    ("succeeded", retry.SUCCEEDED, "succeeded"),  # the work is done: a late cancel is moot
+])
+def test_finish_honours_a_cancel_requested_while_the_attempt_ran(
+        conn: Conn, db_url: str, state: str, outcome: str, final: str) -> None:
+    add_job(conn, "up", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    add_job(conn, "down", entrypoint="jobfuncs:noop", depends_on=["up"])
+    ids = start_dag(conn, ["up"], T0)
+    [row] = claim(conn, "w")
+    request_cancel(conn, row["id"])
+    done = on(db_url, lambda c: queue.finish(c, [ending(row, state, outcome)]))
+    assert done == {row["id"]: final}
+    run = run_row(conn, row["id"])
+    assert (run["state"], run["lease_owner"]) == (final, None)
+    assert run["finished_at"] is not None
+    assert [(a["attempt"], a["outcome"]) for a in attempts(conn, row["id"])] == [(1, outcome)]
+    # A cancelled run's pending downstream can no longer run; a succeeded one's can.
+    expected = "upstream_failed" if final == "cancelled" else "queued"
+    assert run_row(conn, ids["down"])["state"] == expected
+
+
+def test_a_lost_lease_with_a_cancel_requested_ends_cancelled(conn: Conn, db_url: str) -> None:
+    add_job(conn, "up", entrypoint="jobfuncs:noop", schedule="0 * * * *",
+            retry={"max_attempts": 5, "backoff": "0s"})
+    add_job(conn, "down", entrypoint="jobfuncs:noop", depends_on=["up"])
+    ids = start_dag(conn, ["up"], T0)
+    [row] = claim(conn, "w")
+    request_cancel(conn, row["id"])
+    conn.execute("UPDATE pgflow.runs SET lease_expires_at = now() - interval '1s'"
+                 " WHERE id = %s", (row["id"],))
+    assert on(db_url, reaper.run_once).reaped == 1
+    assert run_row(conn, row["id"])["state"] == "cancelled"  # not retrying, though 4 remain
+    assert [a["outcome"] for a in attempts(conn, row["id"])] == ["lost"]
+    assert run_row(conn, ids["down"])["state"] == "upstream_failed"
+
+
+# ---------------------------------------------------------------- defect 7: renewals
+
+
+def test_renewal_renews_exactly_the_pairs_held(conn: Conn, db_url: str) -> None:
+    add_job(conn, "j", entrypoint="jobfuncs:noop")
+    mine = [enqueue(conn, "j", at=T0 + timedelta(minutes=i)) for i in range(3)]
+    rows = {r["id"]: r for r in claim(conn, "w", ttl=1)}
+    other = enqueue(conn, "j", at=T0 + timedelta(hours=1))
+    claim(conn, "someone-else", ttl=1)
+    held = [(mine[0], 1), (mine[1], 2)]  # mine[1] is on attempt 1: a stale pair
+    renewal = on(db_url, lambda c: queue.renew(c, "w", 60, held, release=False))
+    assert [(r["id"], r["attempt"]) for r in renewal.renewed] == [(mine[0], 1)]
+    assert renewal.released == []
+    expiry = {i: run_row(conn, i)["lease_expires_at"] for i in (*mine, other)}
+    assert expiry[mine[0]] > rows[mine[0]]["attempt_started_at"] + timedelta(seconds=30)
+    for unchanged in (mine[1], mine[2], other):  # not held, or not ours: left alone
+        assert expiry[unchanged] < rows[mine[0]]["attempt_started_at"] + timedelta(seconds=2)
+        assert run_row(conn, unchanged)["state"] == "running"
+
+
+def test_a_claim_whose_reply_never_arrived_is_given_back(conn: Conn, db_url: str) -> None:
+    add_job(conn, "j", entrypoint="jobfuncs:noop", retry={"max_attempts": 1})
+    add_job(conn, "up", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    add_job(conn, "down", entrypoint="jobfuncs:noop", depends_on=["up"])
+    kept = enqueue(conn, "j", at=T0)
+    dag = start_dag(conn, ["up"], T0 + timedelta(hours=1))
+    # Committed for worker "w", but (as if its connection died) "w" never saw the rows.
+    claimed = {r["id"]: r for r in claim(conn, "w")}
+    assert set(claimed) == {kept, dag["up"]}
+    request_cancel(conn, dag["up"])
+    renewal = on(db_url, lambda c: queue.renew(c, "w", 30, [], release=True))
+    assert renewal.renewed == []
+    assert sorted((r["id"], r["released"]) for r in renewal.released) == sorted(
+        [(kept, "queued"), (dag["up"], "cancelled")])
+    back = run_row(conn, kept)
+    # Claimable again at once; its attempt number stays used (a fencing token is never
+    # handed out twice) but the budget grows by one: that attempt never ran...
+    assert (back["state"], back["attempt"], back["max_attempts"], back["lease_owner"]) == \
+        ("queued", 1, 2, None)
+    assert back["available_at"] <= back["created_at"] + timedelta(minutes=1)
+    assert attempts(conn, kept) == []  # ...so no attempt row claims it did
+    # Given back with a cancel requested: cancelled, and what waited on it can't run.
+    assert run_row(conn, dag["up"])["state"] == "cancelled"
+    assert run_row(conn, dag["down"])["state"] == "upstream_failed"
+    [again] = claim(conn, "w2")
+    assert (again["id"], again["attempt"]) == (kept, 2)
+
+
+def test_a_renewal_without_release_leaves_unheld_runs_to_the_reaper(conn: Conn,
+                                                                    db_url: str) -> None:
+    add_job(conn, "j", entrypoint="jobfuncs:noop")
+    run_id = enqueue(conn, "j", at=T0)
+    claim(conn, "w")
+    renewal = on(db_url, lambda c: queue.renew(c, "w", 30, [], release=False))
+    assert renewal.renewed == [] and renewal.released == []
+    assert run_row(conn, run_id)["state"] == "running"
+
+
+# ---------------------------------------------------------------- defect 16: capped claims
+
+
+def capped_jobs(conn: Conn, names: list[str], **keys: Any) -> None:
+    registry.apply(conn, [JobSpec.model_validate({"name": n, "entrypoint": "jobfuncs:noop",
+                                                  "max_active_runs": 1, **keys})
+                          for n in names])
+
+
+def test_capped_jobs_at_their_cap_do_not_hide_the_others(conn: Conn, db_url: str) -> None:
+    names = [f"c{i:03d}" for i in range(150)]
+    capped_jobs(conn, names)
+    for name in names:
+        enqueue(conn, name, at=T0)
+    for name in names[:100]:  # the alphabetically first 100 are at their cap
+        enqueue(conn, name, at=T0 + timedelta(hours=1))
+    running = conn.execute(
+        "UPDATE pgflow.runs SET state = 'running', attempt = 1, lease_owner = 'busy',"
+        " lease_expires_at = now() + interval '1h', attempt_started_at = now()"
+        " WHERE job = ANY(%s) AND logical_time = %s RETURNING id",
+        (names[:100], T0)).fetchall()
+    assert len(running) == 100
+    waiting = on(db_url, queue.capped_waiting)
+    assert sorted(job for job, _ in waiting.jobs) == names[100:]
+    rows = on(db_url, lambda c: queue.claim_capped(c, "w", [job for job, _ in waiting.jobs],
+                                                   500, 30))
+    assert sorted(r["job"] for r in rows) == names[100:]
+
+
+def test_capped_jobs_come_best_priority_first(conn: Conn, db_url: str) -> None:
+    capped_jobs(conn, ["a_low"], priority=-5)
+    capped_jobs(conn, ["b_high"], priority=100)
+    capped_jobs(conn, ["c_mid"], priority=7)
+    add_job(conn, "plain", entrypoint="jobfuncs:noop", priority=7)
+    for name in ("a_low", "b_high", "c_mid", "plain"):
+        enqueue(conn, name, at=T0)
+    waiting = on(db_url, queue.capped_waiting)
+    assert waiting.jobs == [("b_high", 100), ("c_mid", 7), ("a_low", -5)]
+    assert waiting.uncapped_priority == 7
+    assert waiting.before_uncapped() == ["b_high", "c_mid"]
+    rows = on(db_url, lambda c: queue.claim_capped(c, "w", ["b_high", "c_mid", "a_low"], 5, 30,
+                                                   min_priority=7))
+    assert sorted(r["job"] for r in rows) == ["b_high", "c_mid"]
+
+
+def test_an_open_breaker_holds_back_capped_runs_too(conn: Conn, db_url: str) -> None:
+    capped_jobs(conn, ["uses_wh"], sources=["warehouse"])
+    capped_jobs(conn, ["other"])
+    for name in ("uses_wh", "other"):
+        enqueue(conn, name, at=T0)
+    conn.execute("INSERT INTO pgflow.breakers (source, state) VALUES ('warehouse', 'open')")
+    rows = on(db_url, lambda c: queue.claim_capped(c, "w", ["uses_wh", "other"], 5, 30))
+    assert [r["job"] for r in rows] == ["other"]
+    conn.execute("UPDATE pgflow.breakers SET state = 'closed'")
+    rows = on(db_url, lambda c: queue.claim_capped(c, "w", ["uses_wh", "other"], 5, 30))
+    assert [r["job"] for r in rows] == ["uses_wh"]
