@@ -35,6 +35,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -420,11 +421,16 @@ def measure(b: Bench) -> dict[str, Any]:
     top = _env_int("BENCH_HISTORY_MAX", 200_000 if quick else 10_000_000)
     sizes = sorted({0, min(top, 1_000_000), top})
     only = os.environ.get("BENCH_HISTORY_PARTS", "day,hot_path,pages").split(",")
+    parts: dict[str, Callable[[], dict[str, Any]]] = {
+        "day": lambda: measure_day(b, n, rate),
+        "hot_path": lambda: measure_hot_path(b, sizes),
+        "pages": lambda: measure_pages(b, top)}
     result: dict[str, Any] = {}
-    if "day" in only:
-        result["day"] = measure_day(b, n, rate)
-    if "hot_path" in only:
-        result["hot_path"] = measure_hot_path(b, sizes)
-    if "pages" in only and not quick:
-        result["pages"] = measure_pages(b, top)
+    for name, run in parts.items():
+        if name not in only or (name == "pages" and quick):
+            continue
+        try:
+            result[name] = run()
+        except Exception as exc:  # recorded; the other parts still run
+            result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     return result

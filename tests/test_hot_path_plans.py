@@ -59,6 +59,10 @@ FROM pgflow.runs WHERE id % 10 = 0
 """
 
 
+# Running runs are few whatever the history: read by primary key, through runs_owner_idx,
+# or through the 'running' range of runs_state_idx (the planner's pick varies with stats).
+RUNNING_RANGE = {"runs_pkey", "runs_owner_idx", "runs_state_idx"}
+
 def _with_database(url: str, name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path="/" + name))
 
@@ -180,11 +184,11 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "renewal": ("renew_leases", {
             "worker": WORKER, "ttl": 30.0, "release": True,
             "ids": [r["id"] for r in running], "attempts": [r["attempt"] for r in running]},
-            {"runs_pkey", "runs_owner_idx"}),
+            RUNNING_RANGE),
         # The running runs are few whatever the history: the planner may read them all
         # through runs_owner_idx instead of one primary-key probe per result.
         "finish batch": ("finish_attempts", {"results": _finishes(noop[:100])},
-                         {"runs_pkey", "runs_owner_idx"}),
+                         RUNNING_RANGE),
         "finish upstreams": ("finish_attempts", {"results": _finishes(ups)},
                              {"runs_job_logical_time_key"}),
         "dependency hop": ("queue_ready_runs", {"ids": live["pending_down"],
@@ -193,7 +197,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         # Pending runs (the state index's 'pending' range) are not history either.
         "fail downstreams": ("fail_downstreams", {"ids": [ups[0]["id"]]},
                              {"runs_job_logical_time_key", "runs_state_idx"}),
-        "reap": ("expired_leases", {"limit": 500}, {"runs_owner_idx"}),
+        "reap": ("expired_leases", {"limit": 500}, RUNNING_RANGE),
         "due jobs": ("due_jobs", {"now": datetime.now(UTC), "batch": 2500}, set()),
         "dag tick": ("create_runs", {
             "jobs": ["up"] * 5, "times": [tomorrow + timedelta(seconds=i) for i in range(5)],
@@ -209,7 +213,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "safety net: pending": ("repair_pending", {"after": 0, "limit": 1000},
                                 {"runs_state_idx"}),
         "safety net: leases": ("repair_leases", {"ttl": 30.0, "alive_s": 90.0, "limit": 500},
-                               {"runs_owner_idx"}),
+                               RUNNING_RANGE),
         "retention batch": ("prune_runs", {
             "retention_s": 7 * 86400.0, "now": None, "limit": 2000, "after_finished": None,
             "after_id": None}, {"runs_finished_idx"}),
