@@ -30,6 +30,9 @@ WITH candidates AS (
     WHERE r.finished_at IS NOT NULL
       AND r.finished_at < coalesce(%(now)s::timestamptz, now())
                           - make_interval(secs => %(retention_s)s)
+      -- The first test is the index condition (runs_finished_idx has no id): the scan
+      -- starts at the cursor, not at the dead index entries of the batches before it.
+      AND r.finished_at >= coalesce(%(after_finished)s::timestamptz, '-infinity')
       AND (r.finished_at, r.id) > (coalesce(%(after_finished)s::timestamptz, '-infinity'),
                                    coalesce(%(after_id)s::bigint, 0))
     ORDER BY r.finished_at, r.id
@@ -43,15 +46,18 @@ WITH candidates AS (
                           - make_interval(secs => %(retention_s)s)
       AND (r.state IN ('succeeded', 'cancelled', 'upstream_failed')
            OR (r.state = 'failed' AND r.acked_at IS NOT NULL))
+      -- Each dependency test reads job_deps first and then one run by its unique key
+      -- (a scalar subquery cannot be turned into a join that starts from the queue).
       AND NOT EXISTS (
           SELECT 1 FROM pgflow.job_deps d
-          JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = r.logical_time
-          WHERE d.upstream = r.job AND p.state IN ('pending', 'queued', 'running', 'retrying'))
+          WHERE d.upstream = r.job
+            AND (SELECT p.state IN ('pending', 'queued', 'running', 'retrying')
+                 FROM pgflow.runs p WHERE p.job = d.job AND p.logical_time = r.logical_time))
       AND (r.state <> 'upstream_failed' OR NOT EXISTS (
           SELECT 1 FROM pgflow.job_deps d
-          JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
           WHERE d.job = r.job
-            AND (u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL))))
+            AND (SELECT u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL)
+                 FROM pgflow.runs u WHERE u.job = d.upstream AND u.logical_time = r.logical_time)))
     FOR UPDATE OF r SKIP LOCKED
 ), gone AS (
     DELETE FROM pgflow.runs r USING doomed d WHERE r.id = d.id
@@ -92,13 +98,14 @@ WHERE r.finished_at IS NOT NULL
        OR (r.state = 'failed' AND r.acked_at IS NOT NULL))
   AND NOT EXISTS (
       SELECT 1 FROM pgflow.job_deps d
-      JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = r.logical_time
-      WHERE d.upstream = r.job AND p.state IN ('pending', 'queued', 'running', 'retrying'))
+      WHERE d.upstream = r.job
+        AND (SELECT p.state IN ('pending', 'queued', 'running', 'retrying')
+             FROM pgflow.runs p WHERE p.job = d.job AND p.logical_time = r.logical_time))
   AND (r.state <> 'upstream_failed' OR NOT EXISTS (
       SELECT 1 FROM pgflow.job_deps d
-      JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
       WHERE d.job = r.job
-        AND (u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL))))
+        AND (SELECT u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL)
+             FROM pgflow.runs u WHERE u.job = d.upstream AND u.logical_time = r.logical_time)))
 GROUP BY r.state
 ORDER BY r.state
 
