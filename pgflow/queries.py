@@ -4,6 +4,11 @@ Each statement starts with a ``-- name: <identifier>`` line; the statement runs
 until the next such line. Parameters use psycopg's ``%(name)s`` style. Every
 statement that reads the clock takes ``coalesce(%(now)s, now())`` where a test
 may want to pin time; production passes ``None`` and uses the database clock.
+
+A piece of SQL that several statements share (the claim step every claim ends
+with) is written once as ``-- fragment: <identifier>`` and placed into a
+statement by a line ``-- include: <identifier>``; fragments are shared across
+files and expanded once, at load.
 """
 
 from __future__ import annotations
@@ -12,33 +17,46 @@ import re
 from functools import cache
 from importlib import resources
 
-_NAME_LINE = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_HEADER = re.compile(r"^--\s*(name|fragment):\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_INCLUDE = re.compile(r"^[ \t]*--\s*include:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
 
-def parse(text: str) -> dict[str, str]:
-    """Split a file of named statements into {name: sql}."""
-    found: dict[str, str] = {}
-    matches = list(_NAME_LINE.finditer(text))
+def split(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Split a file into its named statements and its fragments, unexpanded."""
+    found: dict[str, dict[str, str]] = {"name": {}, "fragment": {}}
+    matches = list(_HEADER.finditer(text))
     for i, match in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
-        body = text[match.end() : end].strip().rstrip(";").strip()
-        if match.group(1) in found:
-            raise ValueError(f"duplicate query name {match.group(1)!r}")
-        found[match.group(1)] = body
-    return found
+        kind, name = match.group(1), match.group(2)
+        if name in found[kind]:
+            raise ValueError(f"duplicate {kind} {name!r}")
+        found[kind][name] = text[match.end() : end].strip().rstrip(";").strip()
+    return found["name"], found["fragment"]
+
+
+def expand(body: str, fragments: dict[str, str]) -> str:
+    """``body`` with every ``-- include:`` line replaced by its fragment."""
+    def fragment(match: re.Match[str]) -> str:
+        if match.group(1) not in fragments:
+            raise ValueError(f"no fragment named {match.group(1)!r}")
+        return fragments[match.group(1)]
+    return _INCLUDE.sub(fragment, body)
 
 
 @cache
 def _all() -> dict[str, str]:
-    found: dict[str, str] = {}
+    statements: dict[str, str] = {}
+    fragments: dict[str, str] = {}
     folder = resources.files("pgflow.sql").joinpath("queries")
     for entry in sorted(folder.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".sql"):
-            for name, sql in parse(entry.read_text(encoding="utf-8")).items():
-                if name in found:
-                    raise ValueError(f"query {name!r} is defined twice ({entry.name})")
-                found[name] = sql
-    return found
+            named, shared = split(entry.read_text(encoding="utf-8"))
+            for kind, into, new in (("query", statements, named),
+                                    ("fragment", fragments, shared)):
+                for name in new.keys() & into.keys():
+                    raise ValueError(f"{kind} {name!r} is defined twice ({entry.name})")
+                into.update(new)
+    return {name: expand(body, fragments) for name, body in statements.items()}
 
 
 def q(name: str) -> str:

@@ -248,22 +248,10 @@ WITH cand AS (
     WHERE b.source = cand.source AND b.state = 'half_open'
       AND b.probe_run IS NOT DISTINCT FROM cand.seen
     RETURNING b.probe_run AS id
-), claimed AS (
-    UPDATE pgflow.runs r
-    SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
-        lease_expires_at = now() + make_interval(secs => %(ttl)s),
-        attempt_started_at = now(), started_at = coalesce(r.started_at, now())
-    FROM (SELECT DISTINCT id FROM probe) p
-    WHERE r.id = p.id
-    RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
-              r.attempt_started_at, r.cancel_requested
-)
-SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
-       c.attempt_started_at,
-       c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
-       j.jitter, j.no_retry_exit_codes, j.sources
-FROM claimed c
-LEFT JOIN pgflow.jobs j ON j.name = c.job
+), picked AS (
+    SELECT DISTINCT id FROM probe
+),
+-- include: claim_step
 
 -- name: breaker_transitions_recent
 SELECT source, from_state, to_state, at, reason, changed_by, run_id

@@ -2,6 +2,27 @@
 -- Every transition is guarded by state, attempt and lease owner; callers check
 -- which rows came back.
 
+-- fragment: claim_step
+-- How every claim ends (claim_runs, claim_capped_runs, claim_probe): the runs of the CTE
+-- `picked` (column id) start their next attempt under this worker's lease. params come
+-- back as JSON text: a command passes it on as is, a Python job decodes it on first use.
+claimed AS (
+    UPDATE pgflow.runs r
+    SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
+        lease_expires_at = now() + make_interval(secs => %(ttl)s),
+        attempt_started_at = now(), started_at = coalesce(r.started_at, now())
+    FROM picked
+    WHERE r.id = picked.id
+    RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
+              r.attempt_started_at, r.cancel_requested
+)
+SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
+       c.attempt_started_at,
+       c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
+       j.jitter, j.no_retry_exit_codes, j.sources
+FROM claimed c
+LEFT JOIN pgflow.jobs j ON j.name = c.job
+
 -- name: claim_runs
 -- Claim up to %(limit)s runs for one worker: highest priority first; among equal
 -- priorities, tenants share the slots by weight, cluster-wide (pgflow/policies.py):
@@ -53,23 +74,8 @@ WITH RECURSIVE waiting(tenant) AS (
     LEFT JOIN running n ON n.tenant = c.tenant
 ), picked AS (
     SELECT id FROM ranked ORDER BY priority DESC, place, available_at, id LIMIT %(limit)s
-), claimed AS (
-    UPDATE pgflow.runs r
-    SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
-        lease_expires_at = now() + make_interval(secs => %(ttl)s),
-        attempt_started_at = now(), started_at = coalesce(r.started_at, now())
-    FROM picked
-    WHERE r.id = picked.id
-    RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
-              r.attempt_started_at, r.cancel_requested
-)
--- params as JSON text: a command passes it on as is, a Python job decodes it on first use.
-SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
-       c.attempt_started_at,
-       c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
-       j.jitter, j.no_retry_exit_codes, j.sources
-FROM claimed c
-LEFT JOIN pgflow.jobs j ON j.name = c.job
+),
+-- include: claim_step
 
 -- name: capped_jobs_waiting
 -- Capped jobs with room under every cap that counts their runs (their own, their
@@ -245,23 +251,8 @@ WITH room AS (
                       WHERE bs.id = k.id AND bs.rank > sr.free)
     ORDER BY k.priority DESC, k.rank / k.weight, k.available_at, k.id
     LIMIT %(limit)s
-), claimed AS (
-    UPDATE pgflow.runs r
-    SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
-        lease_expires_at = now() + make_interval(secs => %(ttl)s),
-        attempt_started_at = now(), started_at = coalesce(r.started_at, now())
-    FROM picked
-    WHERE r.id = picked.id
-    RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
-              r.attempt_started_at, r.cancel_requested
-)
--- params as JSON text: a command passes it on as is, a Python job decodes it on first use.
-SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
-       c.attempt_started_at,
-       c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
-       j.jitter, j.no_retry_exit_codes, j.sources
-FROM claimed c
-LEFT JOIN pgflow.jobs j ON j.name = c.job
+),
+-- include: claim_step
 
 -- name: renew_leases
 -- One heartbeat for the exact (run, attempt) pairs a worker holds (%(ids)s, %(attempts)s):
