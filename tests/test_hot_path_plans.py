@@ -147,14 +147,14 @@ def _live_workload(conn: Conn, backfill_id: int) -> dict[str, Any]:
                  " WHERE name LIKE 'tick-%%'")
     claimed = conn.execute(q("claim_runs"), {"worker": WORKER, "limit": 150,
                                              "ttl": 3600.0}).fetchall()
-    floor = conn.execute(q("web_runs_floor"), {**LISTING, "scan": 20_000}).fetchone()
+    floor = conn.execute(q("runs_floor"), {**LISTING, "scan": 20_000}).fetchone()
     assert floor is not None and floor["floor"] is not None
     return {"running": claimed, "backfill_id": backfill_id, "floor": floor["floor"],
             "pending_down": [r["id"] for r in conn.execute(
                 "SELECT id FROM pgflow.runs WHERE job = 'down' AND state = 'pending'")]}
 
 
-# A listing by tenant: no index covers it, so its page is bounded by web_runs_floor.
+# A listing by tenant: no index covers it, so its page is bounded by runs_floor.
 LISTING = {"job": None, "state": None, "tenant": "default", "trigger": None, "since": None,
            "until": None, "before_id": 2**63 - 1}
 
@@ -217,9 +217,9 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "retention batch": ("prune_runs", {
             "retention_s": 7 * 86400.0, "now": None, "limit": 2000, "after_finished": None,
             "after_id": None}, {"runs_finished_idx"}),
-        "web: runs page floor": ("web_runs_floor", {**LISTING, "scan": 20_000},
+        "web: runs page floor": ("runs_floor", {**LISTING, "scan": 20_000},
                                  {"runs_pkey"}),
-        "web: runs page by tenant": ("web_runs_page", {**LISTING, "floor": live["floor"],
+        "web: runs page by tenant": ("runs_page", {**LISTING, "floor": live["floor"],
                                                        "limit": 51}, {"runs_pkey"}),
         "web: dashboard minutes": ("web_rollup_minutes", {"settle_s": 120, "limit": 60},
                                    {"runs_finished_idx"}),

@@ -170,39 +170,10 @@ def run_model(conn: Any, run_id: int) -> Run:
     return Run.model_validate(run_row(conn, run_id))
 
 
-# A page of runs with a filter its index does not cover reads at most this many index
-# entries (web_runs_floor); with 10,000,000 runs, a tenant's runs newest first read the
-# whole history (5 s) before this bound.
-RUNS_SCAN = 20_000
-
-
-def page_runs(conn: Any, *, limit: int, before: int | None = None, job: str | None = None,
-              state: str | None = None, tenant: str | None = None,
-              trigger: str | None = None, since: Any = None,
-              until: Any = None) -> tuple[list[dict[str, Any]], int | None]:
-    """Runs newest first below ``before`` and the cursor of the next page (None: no more).
-    A page may hold fewer than ``limit`` runs and still have a next page: when its
-    filters are not all served by one index, it looks at RUNS_SCAN runs at most."""
-    args = {"job": job, "state": state, "tenant": tenant, "trigger": trigger,
-            "since": since, "until": until, "scan": RUNS_SCAN,
-            "before_id": MAX_ID if before is None else min(max(before, 0), MAX_ID)}
-    residual = any(v is not None for v in (tenant, trigger, since, until)) or (
-        job is not None and state is not None)
-    floor = None
-    if residual:
-        row = conn.execute(q("web_runs_floor"), args).fetchone()
-        floor = None if row is None else row["floor"]
-    rows = conn.execute(q("web_runs_page"), {**args, "floor": floor,
-                                             "limit": limit + 1}).fetchall()
-    if len(rows) > limit:
-        return rows[:limit], int(rows[limit - 1]["id"])
-    return rows, None if floor is None else int(floor) + 1
-
-
 def list_runs(call: Call) -> tuple[int, BaseModel]:
     a = call.args
     before = int(a["cursor"]) if a["cursor"] is not None else None
-    rows, cursor = page_runs(call.conn, limit=a["limit"], before=before, job=a["job"],
+    rows, cursor = runs.page_runs(call.conn, limit=a["limit"], before=before, job=a["job"],
                              state=a["state"], tenant=a["tenant"], trigger=a["trigger"],
                              since=a["since"], until=a["until"])
     items = [Run.model_validate(row) for row in rows]

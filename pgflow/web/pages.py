@@ -28,7 +28,7 @@ from pgflow.web import svg
 from pgflow.web._endpoint import ApiError, Param, parse_param
 from pgflow.web._session import TZ_COOKIE, Viewer, local_path, page, render, zone_of
 from pgflow.web._state import Conn, WebState, web_state
-from pgflow.web.api import MAX_ID, NAME_SCHEMA, STATES, TRIGGERS, page_runs
+from pgflow.web.api import MAX_ID, NAME_SCHEMA, STATES, TRIGGERS
 
 PAGE = 50
 LINEAGE_MAX_NODES = 120
@@ -292,7 +292,7 @@ def runs_page(request: Request) -> Response:
         tenant = _arg(request, "tenant", NAME_SCHEMA)
         trigger = _arg(request, "trigger", {"type": "string", "enum": TRIGGERS})
         cursor = _arg(request, "cursor", {"type": "integer", "minimum": 1, "maximum": MAX_ID})
-        rows, next_cursor = page_runs(conn, limit=PAGE, before=cursor, job=job, state=state,
+        rows, next_cursor = runs.page_runs(conn, limit=PAGE, before=cursor, job=job, state=state,
                                       tenant=tenant, trigger=trigger)
         return {"title": "Runs", "rows": rows, "next_cursor": next_cursor,
                 "filters": {"job": job or "", "state": state or "", "tenant": tenant or "",

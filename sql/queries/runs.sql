@@ -54,6 +54,40 @@ WHERE state = %(state)s
 ORDER BY id DESC
 LIMIT %(limit)s
 
+-- name: runs_floor
+-- Run listings with a filter that their index does not cover (tenant, trigger, logical
+-- time, or a state within a job) read at most %(scan)s index entries per page: this is
+-- the id of the entry %(scan)s places below the cursor on the index the page walks
+-- (runs_job_idx, runs_state_idx or the primary key), or NULL when fewer are left. Only
+-- the branch taken runs (each subquery is an init plan).
+SELECT CASE
+    WHEN %(job)s::text IS NOT NULL THEN
+        (SELECT id FROM pgflow.runs WHERE job = %(job)s AND id < %(before_id)s
+         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+    WHEN %(state)s::text IS NOT NULL THEN
+        (SELECT id FROM pgflow.runs WHERE state = %(state)s AND id < %(before_id)s
+         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+    ELSE
+        (SELECT id FROM pgflow.runs WHERE id < %(before_id)s
+         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+    END AS floor
+
+-- name: runs_page
+-- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
+-- runs_floor), optional filters as in the listings above.
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+FROM pgflow.runs
+WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
+  AND (%(job)s::text IS NULL OR job = %(job)s)
+  AND (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+ORDER BY id DESC
+LIMIT %(limit)s
+
 -- name: run_get
 SELECT r.id, r.job, r.logical_time, r.state, r.attempt, r.max_attempts, r.trigger, r.tenant,
        r.priority, r.params, r.available_at, r.lease_owner, r.lease_expires_at,

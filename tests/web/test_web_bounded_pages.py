@@ -11,8 +11,8 @@ import psycopg
 import pytest
 from engine import add_job
 
+from pgflow import runs
 from pgflow.queries import q
-from pgflow.web import api
 
 Conn = psycopg.Connection[dict[str, Any]]
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
@@ -35,7 +35,7 @@ def _walk(conn: Conn, limit: int, **filters: Any) -> tuple[list[int], list[int]]
     sizes: list[int] = []
     before = None
     while True:
-        rows, before = api.page_runs(conn, limit=limit, before=before, **filters)
+        rows, before = runs.page_runs(conn, limit=limit, before=before, **filters)
         ids += [r["id"] for r in rows]
         sizes.append(len(rows))
         if before is None:
@@ -50,7 +50,7 @@ def _walk(conn: Conn, limit: int, **filters: Any) -> tuple[list[int], list[int]]
 def test_bounded_run_pages_return_exactly_the_matching_runs(
         conn: Conn, monkeypatch: pytest.MonkeyPatch, filters: dict[str, Any]) -> None:
     _runs(conn)
-    monkeypatch.setattr(api, "RUNS_SCAN", 6)
+    monkeypatch.setattr(runs, "RUNS_SCAN", 6)
     expected = [r["id"] for r in conn.execute(
         "SELECT id FROM pgflow.runs WHERE (%(job)s::text IS NULL OR job = %(job)s)"
         " AND (%(state)s::text IS NULL OR state = %(state)s)"
