@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -46,6 +47,13 @@ def run_row(conn: Conn, run_id: int) -> dict[str, Any]:
 def attempts(conn: Conn, run_id: int) -> list[dict[str, Any]]:
     return conn.execute("SELECT * FROM pgflow.attempts WHERE run_id = %s ORDER BY attempt",
                         (run_id,)).fetchall()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], T], timeout: float = 20.0, interval: float = 0.05) -> T:

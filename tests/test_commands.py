@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-from engine import add_job, attempts, wait_for
+from engine import add_job, attempts, free_port, wait_for
 from procs import (
     Replicas,
     group_gone,
@@ -396,11 +396,3 @@ def test_jobs_never_see_pgflow_or_libpq_secrets(
     # would have made $PGFLOW_HOME/secret).
     assert not (tmp_path / "secret").exists()
     assert run_state(conn, runs[1])["state"] == "succeeded"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])

@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -41,6 +40,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
+from engine import free_port
 from procs import Replicas, pgflow
 from psycopg.rows import dict_row
 
@@ -84,12 +84,6 @@ def _missing() -> str | None:
 
 
 pytestmark = pytest.mark.skipif(_missing() is not None, reason=str(_missing()))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def poll(condition: Callable[[], T | None], timeout: float, interval: float = 0.2) -> T | None:

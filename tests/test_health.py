@@ -4,7 +4,6 @@ Kubernetes liveness and readiness probe sees."""
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,19 +12,13 @@ from typing import Any
 
 import psycopg
 import pytest
-from engine import add_job, enqueue
+from engine import add_job, enqueue, free_port
 from procs import Replica, Replicas, until, wait_state
 from psycopg.rows import dict_row
 
 from pgflow.embedded import Cluster
 
 Answer = tuple[int, dict[str, Any]]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def probe(port: int, path: str, method: str = "GET") -> Answer | None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import batch_name, data_dir  # noqa: E402
+from common import batch_name, data_dir
 
 EX_TEMPFAIL = 75  # tells pgflow the warehouse is unavailable (circuit breaker)
 

@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import batch_name, data_dir  # noqa: E402
+from common import batch_name, data_dir
 
 
 def main() -> None:

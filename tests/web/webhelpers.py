@@ -4,7 +4,6 @@ rows for runs in given states (as the engine leaves them)."""
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 from datetime import datetime
@@ -12,7 +11,7 @@ from typing import Any
 
 import psycopg
 import uvicorn
-from engine import enqueue
+from engine import enqueue, free_port
 from starlette.applications import Starlette
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -22,12 +21,6 @@ ROLES = ("viewer", "operator", "admin")
 
 def auth(secret: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {secret}"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerThread:
