@@ -7,6 +7,8 @@ import threading
 from datetime import datetime
 from typing import Any
 
+from pgflow.live import LiveOutput, check_progress, encode_checkpoint
+
 
 class PermanentError(Exception):
     """Raise from a job to fail the run at once, without retries."""
@@ -34,11 +36,14 @@ class Context:
     runs never touch either, and both cost more than the rest of their bookkeeping).
     """
 
-    __slots__ = ("_cancelled", "_params", "_params_json", "attempt", "job", "logger",
-                 "logical_time", "run_id")
+    __slots__ = ("_cancelled", "_checkpoint_json", "_live", "_params", "_params_json",
+                 "attempt", "job", "logger", "logical_time", "run_id")
 
     def __init__(self, run_id: int, job: str, logical_time: datetime, attempt: int,
-                 params: dict[str, Any] | str, logger: Any) -> None:
+                 params: dict[str, Any] | str, logger: Any, *,
+                 checkpoint_json: str | None = None, live: LiveOutput | None = None) -> None:
+        self._checkpoint_json = checkpoint_json
+        self._live = live
         self.run_id = run_id
         self.job = job
         self.logical_time = logical_time
@@ -67,6 +72,29 @@ class Context:
         if self._cancelled is None:
             self._cancelled = threading.Event()
         return self._cancelled
+
+    @property
+    def last_checkpoint(self) -> Any:
+        """The checkpoint an earlier attempt of this run stored (``checkpoint``), or None
+        on a first attempt and after ``runs rerun``."""
+        return None if self._checkpoint_json is None else json.loads(self._checkpoint_json)
+
+    def progress(self, fraction: float | None, message: str | None = None) -> None:
+        """Report how far the job is (0 to 1) and what it does. Cheap: only the latest
+        report is kept, and stored with the next flush (every ~2 s). ValueError for a
+        fraction outside 0..1 or a message that is not a string."""
+        fraction, message = check_progress(fraction, message)
+        if self._live is not None:
+            self._live.progress(fraction, message)
+
+    def checkpoint(self, value: Any) -> None:
+        """Store ``value`` (JSON, at most 1 MiB) with the run: a later attempt of this run
+        starts with it as ``last_checkpoint``. Stored with the next flush (every ~2 s)
+        and at the latest before the attempt's result, only while this attempt holds its
+        lease. ValueError when ``value`` is not JSON or too large."""
+        text = encode_checkpoint(value)
+        if self._live is not None:
+            self._live.checkpoint(text)
 
     def __repr__(self) -> str:
         return (f"Context(run_id={self.run_id}, job={self.job!r}, attempt={self.attempt},"

@@ -111,7 +111,8 @@ async def _serve(options: ServeOptions) -> str | None:
                                     log))
         tasks.append(web)
     if "worker" in options.roles:
-        worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
+        worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log,
+                        log_limit=options.settings.log_limit)
         worker.start()
     if options.health_bind:
         tasks.append(health.start(options, tasks, worker, stopping, stop, log))

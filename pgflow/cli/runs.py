@@ -77,7 +77,48 @@ def runs_retry(ctx: Ctx, run_id: int) -> None:
     click.echo(runs.retry_message(run_id, runs.retry(ctx.conn(), run_id)))
 
 
-@runs_group.command("cancel")
+@runs_group.command("rerun")
+@RUN_ID
+@click.option("--downstream", is_flag=True,
+              help="Also run its downstream runs at the same logical time again, after it.")
+@pass_ctx
+def runs_rerun(ctx: Ctx, run_id: int, downstream: bool) -> None:
+    """Run a finished run again as its next attempt, from a clean start (no checkpoint)."""
+    from pgflow import rerun
+
+    click.echo(rerun.rerun_message(run_id, rerun.rerun(ctx.conn(), run_id,
+                                                       downstream=downstream)))
+
+
+@runs_group.command("logs")
+@RUN_ID
+@click.option("--attempt", type=click.IntRange(1, 2**31 - 1),
+              help="Which attempt (default: the latest).")
+@click.option("--follow", "-f", is_flag=True,
+              help="Keep printing new output until the attempt ends (like tail -f).")
+@pass_ctx
+def runs_logs(ctx: Ctx, run_id: int, attempt: int | None, follow: bool) -> None:
+    """Print an attempt's output (stdout, stderr and pgflow's notes), live while it runs."""
+    import sys
+    import time
+
+    from pgflow import live
+
+    conn = ctx.conn()
+    offset = 0
+    out = sys.stdout.buffer
+    while True:
+        page = live.read_output(conn, run_id, attempt, offset)
+        attempt = page.attempt
+        if page.data:
+            out.write(page.data)
+            out.flush()
+        if page.next_offset > offset:
+            offset = page.next_offset
+            continue  # more may be stored already
+        if not follow or not page.running:
+            return
+        time.sleep(1.0)
 @RUN_ID
 @pass_ctx
 def runs_cancel(ctx: Ctx, run_id: int) -> None:
