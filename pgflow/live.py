@@ -564,3 +564,23 @@ def _from_chunks(cur: psycopg.Cursor[dict[str, Any]], run_id: int, attempt: int,
         data += chunk[at - pos :]
         at = pos + len(chunk)
     return bytes(data), at
+
+
+PAGE_BYTES = 64 * 1024
+
+
+def page_output(conn: psycopg.Connection[Any], run_id: int, attempt: int,
+                state: str) -> dict[str, Any] | None:
+    """The newest ``PAGE_BYTES`` of the stored output of the run's latest attempt, for the
+    run page (which refreshes while it runs); None when it stored none and is over."""
+    if attempt < 1:
+        return None
+    cur = conn.cursor(row_factory=psycopg.rows.dict_row)
+    end = cur.execute(q("run_output_end"), {"id": run_id, "attempt": attempt}).fetchone()
+    running = state == "running"
+    total = int(end["end"]) if end and end["end"] is not None else 0
+    if not total and not running:
+        return None
+    data, _ = _from_chunks(cur, run_id, attempt, max(0, total - PAGE_BYTES), PAGE_BYTES)
+    return {"attempt": attempt, "running": running, "next_offset": total,
+            "shown": min(total, PAGE_BYTES), "text": data.decode("utf-8", errors="replace")}

@@ -78,3 +78,9 @@ SELECT r.attempt AS current_attempt, r.state,
 FROM pgflow.runs r
 LEFT JOIN pgflow.attempts a ON a.run_id = r.id AND a.attempt = %(attempt)s
 WHERE r.id = %(id)s
+
+-- name: run_output_end
+-- Where an attempt's stored output ends (its last chunk, by the primary key).
+SELECT (SELECT pos + length(data) FROM pgflow.run_output
+        WHERE run_id = %(id)s AND attempt = %(attempt)s
+        ORDER BY pos DESC LIMIT 1) AS end

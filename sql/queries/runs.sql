@@ -76,7 +76,8 @@ SELECT CASE
 -- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
 -- runs_floor), optional filters as in the listings above.
 SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at,
+       progress, progress_message
 FROM pgflow.runs
 WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
   AND (%(job)s::text IS NULL OR job = %(job)s)
