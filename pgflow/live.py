@@ -193,7 +193,8 @@ class LiveOutput:
     def _append(self, stream: str, pos: int, chunk: bytes) -> None:
         last = self.pending[-1] if self.pending else None
         if (last is not None and not last.sealed and last.stream == stream
-                and last.pos + len(last.data) == pos and len(last.data) < CHUNK_MAX):
+                and last.pos + len(last.data) == pos and len(last.data) < CHUNK_MAX
+                and (last.pos >= self.head) == (pos >= self.head)):  # head, tail: apart
             last.data += chunk
         else:
             self.pending.append(_Piece(pos, stream, chunk))
@@ -254,6 +255,7 @@ class LiveOutput:
 
     def _lines(self, lines: list[bytes]) -> None:
         got_progress = got_checkpoint = False
+        refused: list[str] = []
         for line in reversed(lines):
             if not line.strip():
                 continue
@@ -262,10 +264,12 @@ class LiveOutput:
             try:
                 found = self._line(line, got_progress, got_checkpoint)
             except ValueError as exc:
-                self.note(f"control line ignored: {exc}")
+                refused.append(f"control line ignored: {exc}")
                 continue
             got_progress = got_progress or "progress" in found
             got_checkpoint = got_checkpoint or "checkpoint" in found
+        for text in reversed(refused):  # in the order the job wrote them
+            self.note(text)
 
     def _line(self, line: bytes, skip_progress: bool, skip_checkpoint: bool) -> set[str]:
         try:
@@ -578,7 +582,7 @@ def page_output(conn: psycopg.Connection[Any], run_id: int, attempt: int,
     cur = conn.cursor(row_factory=psycopg.rows.dict_row)
     end = cur.execute(q("run_output_end"), {"id": run_id, "attempt": attempt}).fetchone()
     running = state == "running"
-    total = int(end["end"]) if end and end["end"] is not None else 0
+    total = int(end["output_end"]) if end and end["output_end"] is not None else 0
     if not total and not running:
         return None
     data, _ = _from_chunks(cur, run_id, attempt, max(0, total - PAGE_BYTES), PAGE_BYTES)

@@ -83,4 +83,4 @@ WHERE r.id = %(id)s
 -- Where an attempt's stored output ends (its last chunk, by the primary key).
 SELECT (SELECT pos + length(data) FROM pgflow.run_output
         WHERE run_id = %(id)s AND attempt = %(attempt)s
-        ORDER BY pos DESC LIMIT 1) AS end
+        ORDER BY pos DESC LIMIT 1) AS output_end
