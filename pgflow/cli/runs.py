@@ -119,6 +119,9 @@ def runs_logs(ctx: Ctx, run_id: int, attempt: int | None, follow: bool) -> None:
         if not follow or not page.running:
             return
         time.sleep(1.0)
+
+
+@runs_group.command("cancel")
 @RUN_ID
 @pass_ctx
 def runs_cancel(ctx: Ctx, run_id: int) -> None:
