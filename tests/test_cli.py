@@ -38,7 +38,7 @@ def test_apply_and_list_the_example_pipeline(cli) -> None:  # type: ignore[no-un
     jobs = json.loads(out)
     assert [j["name"] for j in jobs] == ["archive_orders", "check_orders", "extract_orders",
                                           "load_orders", "transform_orders"]
-    assert jobs[2]["schedule"] == "* * * * *" and jobs[1]["next_fire_at"]
+    assert jobs[2]["schedule"] == "* * * * *" and jobs[2]["next_fire_at"]
     code, out, _ = cli("jobs", "list")
     assert out.splitlines()[0].split()[:3] == ["NAME", "TENANT", "SCHEDULE"]
 
