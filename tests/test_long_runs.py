@@ -411,3 +411,17 @@ def test_backfill_reprocess_failed_reruns_only_the_failed_ticks(
     for run_id in made:
         wait_for(lambda r=run_id: (run_state(conn, r)["state"] == "succeeded" and
                  run_state(conn, r)["attempt"] >= 2) or None, timeout=30)
+
+
+def test_retention_removes_the_output_with_its_run(conn: Conn) -> None:
+    from pgflow import retention
+
+    add_job(conn, "old", command=sh("true"))
+    run_id = enqueue(conn, "old", datetime(2020, 1, 1, tzinfo=UTC))
+    conn.execute("UPDATE pgflow.runs SET state = 'succeeded', attempt = 1,"
+                 " finished_at = now() - interval '400 days' WHERE id = %s", (run_id,))
+    conn.execute("INSERT INTO pgflow.run_output (run_id, attempt, pos, stream, data)"
+                 " VALUES (%s, 1, 0, 'stdout', 'x')", (run_id,))
+    retention.run_once(conn, 86400.0)
+    assert conn.execute("SELECT count(*) AS n FROM pgflow.run_output").fetchone()["n"] == 0
+    assert conn.execute("SELECT count(*) AS n FROM pgflow.runs").fetchone()["n"] == 0

@@ -10,6 +10,7 @@ import click
 
 from pgflow import runs
 from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
+from pgflow.errors import NotFound
 
 
 @click.group("runs")
@@ -108,7 +109,13 @@ def runs_logs(ctx: Ctx, run_id: int, attempt: int | None, follow: bool) -> None:
     offset = 0
     out = sys.stdout.buffer
     while True:
-        page = live.read_output(conn, run_id, attempt, offset)
+        try:
+            page = live.read_output(conn, run_id, attempt, offset)
+        except NotFound:
+            if not (follow and attempt is None and _waiting(conn, run_id)):
+                raise
+            time.sleep(1.0)  # --follow of a run that has not started yet: wait for it
+            continue
         attempt = page.attempt
         if page.data:
             out.write(page.data)
@@ -119,6 +126,11 @@ def runs_logs(ctx: Ctx, run_id: int, attempt: int | None, follow: bool) -> None:
         if not follow or not page.running:
             return
         time.sleep(1.0)
+
+
+def _waiting(conn: Any, run_id: int) -> bool:
+    row = conn.execute("SELECT state FROM pgflow.runs WHERE id = %s", (run_id,)).fetchone()
+    return row is not None and row["state"] in ("pending", "queued", "retrying")
 
 
 @runs_group.command("cancel")
