@@ -143,8 +143,11 @@ class LiveOutput:
     """The news of one attempt not written yet. Output comes from the event loop;
     progress and checkpoints may come from a sync job's thread (hence the lock)."""
 
+    __slots__ = ("_beyond", "_checkpoint", "_control", "_flushed_beyond", "_fraction",
+                 "_lock", "_notes", "_progress", "flushed", "limit", "pending", "pos")
+
     def __init__(self, limit: int = DEFAULT_LOG_LIMIT) -> None:
-        self.limit = max(limit, MIN_LOG_LIMIT)
+        self.limit = limit if limit >= MIN_LOG_LIMIT else MIN_LOG_LIMIT
         self.pos = 0  # bytes of output produced so far
         self.pending: list[_Piece] = []
         self.flushed = False  # some chunk of this attempt was stored
@@ -154,7 +157,7 @@ class LiveOutput:
         self._progress: tuple[float | None, str | None] | None = None
         self._checkpoint: str | None = None
         self._lock = threading.Lock()
-        self._control = bytearray()
+        self._control = b""
         self._notes = 0
 
     @property
@@ -241,17 +244,16 @@ class LiveOutput:
         if b"\n" not in data:
             if len(self._control) > MAX_CONTROL_LINE:
                 self.note(f"control line longer than {MAX_CONTROL_LINE:,} bytes ignored")
-                self._control.clear()
+                self._control = b""
             return
-        *lines, rest = bytes(self._control).split(b"\n")
-        self._control = bytearray(rest)
+        *lines, self._control = self._control.split(b"\n")
         self._lines(lines)
 
     def end_control(self) -> None:
         """The control pipe closed: a last line without a newline still counts."""
         if self._control.strip():
-            self._lines([bytes(self._control)])
-        self._control.clear()
+            self._lines([self._control])
+        self._control = b""
 
     def _lines(self, lines: list[bytes]) -> None:
         got_progress = got_checkpoint = False
