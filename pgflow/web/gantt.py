@@ -118,6 +118,13 @@ def gantt_svg(runs: Sequence[Bar], origin: datetime, now: datetime, critical: Se
     on_path = set(critical)
     body = [f'<rect x="{left}" y="4" width="{plot_w}" height="{row * len(runs)}"'
             ' fill="#f5f7f8"/>']
+    axis_y = 8 + row * len(runs) + 14
+    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
+        tick = left + plot_w * fraction
+        body.append(f'<line x1="{tick:.1f}" y1="4" x2="{tick:.1f}" y2="{axis_y - 12}"'
+                    ' stroke="#dfe4e6"/>')
+        body.append(_text(tick, axis_y, "+" + precise_seconds(total * fraction), size=10,
+                          anchor="middle"))
     for i, bar in enumerate(runs):
         y = 8 + i * row
         name = bar.job if len(bar.job) <= 26 else bar.job[:25] + "…"
@@ -129,13 +136,6 @@ def gantt_svg(runs: Sequence[Bar], origin: datetime, now: datetime, critical: Se
                     + "</a>")
         body.extend(_bar_shapes(bar, x, y, row - 8, now, bool(critical_attr)))
         body.append("</g>")
-    axis_y = 8 + row * len(runs) + 14
-    for fraction in (0.0, 0.25, 0.5, 0.75, 1.0):
-        tick = left + plot_w * fraction
-        body.append(f'<line x1="{tick:.1f}" y1="4" x2="{tick:.1f}" y2="{axis_y - 12}"'
-                    ' stroke="#dfe4e6"/>')
-        body.append(_text(tick, axis_y, "+" + precise_seconds(total * fraction), size=10,
-                          anchor="middle"))
     body.append(_text(left, axis_y + 14, "from the DAG run's start", size=10, fill="#78909c"))
     return _svg(width, height + 14, body, label, "gantt")
 
