@@ -91,12 +91,12 @@ def trend_svg(root: str, dag_runs: Sequence[DagRun], p50: float | None, p95: flo
               label: str) -> Markup:
     """One bar per DAG run (oldest left, linking to it), coloured by its outcome, with
     the p50 and p95 of the successful ones as dashed lines."""
-    width, height, left, bottom, top = 720, 190, 60, 34, 14
+    width, height, left, bottom, top, right = 720, 190, 60, 34, 14, 96
     if not dag_runs:
         return _svg(width, 40, [_text(10, 24, "no DAG runs yet")], label, "trend")
     tallest = max(max(d.seconds for d in dag_runs), p95 or 0.0, 1e-3) * 1.1
-    plot_w, plot_h = width - left - 10, height - top - bottom
-    step = plot_w / max(len(dag_runs), 1)
+    plot_w, plot_h = width - left - right, height - top - bottom
+    step = min(plot_w / max(len(dag_runs), 1), 40.0)
     body = [f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="#f5f7f8"/>',
             _text(left - 4, top + 8, gantt.precise_seconds(tallest), size=10, anchor="end"),
             _text(left - 4, top + plot_h, "0", size=10, anchor="end")]
@@ -117,10 +117,11 @@ def trend_svg(root: str, dag_runs: Sequence[DagRun], p50: float | None, p95: flo
         y = top + plot_h - plot_h * value / tallest
         body.append(f'<line class="{name}" x1="{left}" y1="{y:.1f}" x2="{left + plot_w}"'
                     f' y2="{y:.1f}" stroke="{tint}" stroke-dasharray="5 3" stroke-width="2"/>')
-        body.append(_text(left + plot_w - 4, y - 3, f"{name} {gantt.precise_seconds(value)}",
-                          size=11, anchor="end", fill=tint, weight="bold"))
+        body.append(_text(left + plot_w + 4, y + 4, f"{name} {gantt.precise_seconds(value)}",
+                          size=11, fill=tint, weight="bold"))
     first, last = dag_runs[0].logical_time, dag_runs[-1].logical_time
     body.append(_text(left, height - 12, first.strftime("%Y-%m-%d %H:%M UTC"), size=10))
-    body.append(_text(left + plot_w, height - 12, last.strftime("%Y-%m-%d %H:%M UTC"), size=10,
-                      anchor="end"))
+    if len(dag_runs) > 1:
+        body.append(_text(max(left + step * len(dag_runs), left + 240), height - 12,
+                          last.strftime("%Y-%m-%d %H:%M UTC"), size=10, anchor="end"))
     return _svg(width, height, body, label, "trend")
