@@ -42,7 +42,8 @@ def dashboard_panels(conn: Conn) -> dict[str, Any]:
         "failures": [_times(f, "logical_time", "finished_at", "acked_at")
                      for f in row["failures"]],
         "failing": [_times(j, "last_failed_at") for j in row["failing"]],
-        "failures_capped": sum(j["failures"] for j in row["failing"]) >= FAILURES_SCAN,
+        "failures_day": row["failures_day"],
+        "failures_capped": row["failures_day"] >= FAILURES_SCAN,
         "running_total": row["running_total"],
         "running": [_times(r, "logical_time", "attempt_started_at") for r in row["running"]],
         "slowest": slowest_jobs([*row["slow_hours"], row["slow_live"]], ROWS),

@@ -67,6 +67,10 @@ SELECT now() AS now,
               ORDER BY failures DESC, last_failed_at DESC
               LIMIT %(limit)s) j
        ) AS failing,
+       (SELECT count(*)::int FROM (
+            SELECT 1 FROM pgflow.runs
+            WHERE state = 'failed' AND finished_at >= now() - interval '24 hours'
+            LIMIT %(failures_scan)s) day) AS failures_day,
        (SELECT count(*)::int FROM pgflow.runs WHERE state = 'running') AS running_total,
        (SELECT coalesce(jsonb_agg(x ORDER BY x.age_s DESC, x.id), '[]')
         FROM (SELECT id, job, logical_time, attempt, max_attempts, lease_owner,

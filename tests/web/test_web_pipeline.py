@@ -66,6 +66,7 @@ def test_the_dashboard_names_failures_running_runs_and_the_days_worst_jobs(
     failing = _section(html, "most-failing")
     assert 'href="/jobs/flaky_load"' in failing and ">3</a>" in failing
     assert "nightly_extract" not in failing  # its failure is older than 24 hours
+    assert 'id="failures-day">3<' in failing
 
     slowest = _section(html, "slowest-jobs")
     assert slowest.index("slow_model") < slowest.index("flaky_load")
@@ -211,3 +212,18 @@ def test_the_grid_reads_a_bounded_slice(conn: Conn) -> None:
     assert dag_history.history(conn, "clean", now) is not None  # any job names its DAG
     add_job(conn, "alone", entrypoint="jobfuncs:noop")
     assert dag_history.history(conn, "alone", now) is None
+
+
+def test_the_days_failures_are_counted_over_a_bounded_scan(
+        conn: Conn, monkeypatch: pytest.MonkeyPatch) -> None:
+    add_job(conn, "a", entrypoint="jobfuncs:noop")
+    add_job(conn, "b", entrypoint="jobfuncs:noop")
+    for i, job in enumerate(["a", "a", "b", "b", "b"]):
+        finished_run(conn, job, T0 + timedelta(minutes=i), "failed")
+    full = panels.dashboard_panels(conn)
+    assert [(j["job"], j["failures"]) for j in full["failing"]] == [("b", 3), ("a", 2)]
+    assert full["failures_day"] == 5 and not full["failures_capped"]
+    monkeypatch.setattr(panels, "FAILURES_SCAN", 3)
+    capped = panels.dashboard_panels(conn)
+    assert capped["failures_capped"] and capped["failures_day"] == 3
+    assert sum(j["failures"] for j in capped["failing"]) == 3
