@@ -306,7 +306,7 @@ def _queue_health_gauges(health: dict[str, Any]) -> Iterator[Metric]:
         yield family
     oldest, horizon = health["oldest_xact"], health["horizon"]
     yield _gauge("pgflow_oldest_transaction_age_seconds",
-                 "Age of the oldest open transaction of another session of the database.",
+                 "Age of the oldest open transaction of another client session of the database.",
                  float(oldest["age_s"]) if oldest else 0.0)
     yield _gauge("pgflow_xmin_horizon_age_transactions",
                  "Transactions since the oldest snapshot, replication slot or prepared"

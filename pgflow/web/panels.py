@@ -11,6 +11,13 @@ dashboard computation, newest first, so a fresh installation fills its day withi
 minutes of dashboards), plus the runs of the current hour read live: the top jobs by
 their longest run over the day are exactly among the hourly tops (see the migration
 0015_pipeline_ui.sql), so merging 25 short lists gives the day's answer.
+
+Measured with the web bench's 10,000 jobs and 1,000,000 runs (240,000 of them finished
+in the last 24 hours, 7,300 failed), ``EXPLAIN (ANALYZE, BUFFERS)``: aggregating the
+day's runs directly took 366 ms (215,000 buffers); the panels' statement takes about
+25 ms (9,000 buffers, nearly all the current hour's runs), and counting one closed
+hour into slow_hours about 50 ms, once per hour per cluster. The whole dashboard,
+recomputed on every request, stays at p95 80 ms (``python -m pgflow.web.bench``).
 """
 
 from __future__ import annotations

@@ -13,20 +13,21 @@ WHERE schemaname = 'pgflow' AND relname = ANY(%(tables)s::text[])
 ORDER BY relname
 
 -- name: queue_health_horizon
--- The oldest open transaction of another session of this database (its age and who
--- holds it), and the xmin horizon: the oldest snapshot (backend_xmin) any session of
+-- The oldest open transaction of another client session of this database (its age and
+-- who holds it; never its query text, which may hold secrets), and the xmin horizon: the oldest snapshot (backend_xmin) any session of
 -- this database or a WAL sender (hot_standby_feedback) holds, a replication slot's
 -- xmin, or a prepared transaction, in transactions (age) — whichever is oldest holds
--- back every vacuum of the queue. Sessions of other roles show up only to a member of
+-- back every vacuum of the queue. Autovacuum workers are left out: a vacuum's own
+-- snapshot does not hold back other vacuums. Sessions of other roles show up only to a member of
 -- pg_read_all_stats (or a superuser).
 SELECT
     (SELECT to_jsonb(o) FROM (
         SELECT pid, usename AS "user", application_name, state, backend_type,
                extract(epoch FROM now() - xact_start)::float8 AS age_s,
-               age(backend_xmin)::bigint AS xmin_age, left(query, 200) AS query
+               age(backend_xmin)::bigint AS xmin_age
         FROM pg_stat_activity
         WHERE pid <> pg_backend_pid() AND xact_start IS NOT NULL
-          AND datname = current_database()
+          AND datname = current_database() AND backend_type = 'client backend'
         ORDER BY xact_start LIMIT 1) o) AS oldest_xact,
     (SELECT to_jsonb(h) FROM (
         SELECT kind, holder, xmin_age FROM (
@@ -36,6 +37,7 @@ SELECT
                    age(backend_xmin)::bigint AS xmin_age
             FROM pg_stat_activity
             WHERE pid <> pg_backend_pid() AND backend_xmin IS NOT NULL
+              AND backend_type <> 'autovacuum worker'
               AND (datname = current_database() OR backend_type = 'walsender')
             UNION ALL
             SELECT 'replication slot', slot_name::text,
