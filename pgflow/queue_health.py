@@ -47,3 +47,24 @@ def read(conn: Conn) -> dict[str, Any]:
         "oldest_xact_warn": oldest is not None and oldest["age_s"] >= OLDEST_XACT_WARN_S,
         "horizon_warn": held is not None and held["xmin_age"] >= XMIN_AGE_WARN,
     }
+
+
+def warnings(health: dict[str, Any]) -> list[tuple[str, str, str | None]]:
+    """(severity, message, link) for the dashboard's alert list."""
+    found: list[tuple[str, str, str | None]] = []
+    for table in health["tables"]:
+        if table["warn"]:
+            found.append(("warning", f"pgflow.{table['table']} has {table['dead_tuples']:,}"
+                          " dead rows: vacuum is behind or held back (see Queue health).",
+                          None))
+    oldest = health["oldest_xact"]
+    if health["oldest_xact_warn"]:
+        app = f" ({oldest['application_name']})" if oldest["application_name"] else ""
+        found.append(("warning", f"A transaction has been open for {oldest['age_s'] / 60:.0f}"
+                      f" min (pid {oldest['pid']}{app}): vacuum cannot remove the queue's"
+                      " dead rows while it lasts.", None))
+    held = health["horizon"]
+    if health["horizon_warn"]:
+        found.append(("warning", f"The xmin horizon is {held['xmin_age']:,} transactions old,"
+                      f" held by {held['kind']} {held['holder']}.", None))
+    return found

@@ -99,15 +99,17 @@ def _compute_dashboard(conn: Conn, state: WebState) -> dict[str, Any]:
     last_hour = [v for m, v in minutes.items() if m >= int(now.timestamp()) - 3600]
     ok, failed = sum(v[1] for v in last_hour), sum(v[2] for v in last_hour)
     finished_day = sum(v[0] for v in minutes.values())
+    health = queue_health.read(conn)
     return {
         "now": now, "table": table, "totals": totals, "dead_letters": row["dead_letters"],
         "oldest_waiting_s": row["oldest_waiting_s"], "replicas": replicas, "leader": leader,
         "open_breakers": row["open_breakers"], "finished_day": finished_day,
         "rate_hour": ok / (ok + failed) if ok + failed else None,
-        "alerts": _alerts(row, replicas, totals, ok, failed, ttl),
+        "alerts": _alerts(row, replicas, totals, ok, failed, ttl)
+        + queue_health.warnings(health),
         "rpm_svg": svg.runs_per_minute(minutes, now, "Runs finished per minute, last 24 hours"),
         "rate_svg": svg.success_rate_by_hour(minutes, now, "Success rate per hour, last 24 h"),
-        "panels": panels.dashboard_panels(conn), "health": queue_health.read(conn),
+        "panels": panels.dashboard_panels(conn), "health": health,
     }
 
 

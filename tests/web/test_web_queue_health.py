@@ -55,3 +55,19 @@ def test_an_open_transaction_and_its_snapshot_are_gauges(conn: Conn, db_url: str
     after = scrape(metrics)
     assert value(after, "pgflow_xmin_horizon_age_transactions") == 0.0
 
+
+
+def test_the_dashboard_warns_about_dead_rows_and_old_transactions() -> None:
+    health = {"tables": [{"table": "runs", "dead_tuples": 25_000, "warn": True},
+                         {"table": "jobs", "dead_tuples": 10, "warn": False}],
+              "oldest_xact": {"age_s": 1800.0, "pid": 42, "application_name": "psql"},
+              "oldest_xact_warn": True,
+              "horizon": {"xmin_age": 12_000_000, "kind": "replication slot",
+                          "holder": "old_standby"}, "horizon_warn": True}
+    messages = [m for _, m, _ in queue_health.warnings(health)]
+    assert messages[0].startswith("pgflow.runs has 25,000 dead rows")
+    assert "open for 30 min (pid 42 (psql))" in messages[1]
+    assert messages[2] == ("The xmin horizon is 12,000,000 transactions old, held by"
+                           " replication slot old_standby.")
+    quiet = {**health, "tables": [], "oldest_xact_warn": False, "horizon_warn": False}
+    assert queue_health.warnings(quiet) == []
