@@ -26,6 +26,7 @@ from markupsafe import Markup
 from pgflow.web.svg import TEXT, _svg, _text, colour, human_seconds
 
 FINISHED = ("succeeded", "failed", "cancelled", "upstream_failed")
+MAX_BARS = 150  # a DAG run of thousands of runs draws these (the critical path among them)
 WAIT_COLOUR = "#b0bec5"
 
 
@@ -180,6 +181,17 @@ def dag_run_latency(rows: Sequence[Mapping[str, Any]], now: datetime) -> dict[st
     start = dag_start(rows)
     seconds, done = end_to_end(rows, now)
     origin = min(start, *(b.ready_at for b in runs))
-    return {"gantt_svg": gantt_svg(runs, origin, now, path, "Gantt chart of the DAG run"),
-            "critical_path": path, "dag_start": start, "end_to_end_s": seconds,
-            "dag_done": done}
+    drawn = shown_bars(runs, path, MAX_BARS)
+    return {"gantt_svg": gantt_svg(drawn, origin, now, path, "Gantt chart of the DAG run"),
+            "gantt_hidden": len(runs) - len(drawn), "critical_path": path,
+            "dag_start": start, "end_to_end_s": seconds, "dag_done": done}
+
+
+def shown_bars(runs: Sequence[Bar], path: Sequence[int], limit: int) -> list[Bar]:
+    """At most ``limit`` bars in start order: the critical path's, then the earliest."""
+    keep = set(path)
+    for bar in runs:
+        if len(keep) >= limit:
+            break
+        keep.add(bar.run_id)
+    return [b for b in runs if b.run_id in keep]

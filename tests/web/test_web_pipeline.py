@@ -160,6 +160,16 @@ def test_critical_path_and_end_to_end_of_a_dag_run(conn: Conn) -> None:
     assert gantt.precise_seconds(1.2344) == "1.234 s" and gantt.precise_seconds(75) == "1m15s"
 
 
+def test_a_large_dag_run_draws_a_bounded_gantt_with_its_critical_path(conn: Conn) -> None:
+    diamond(conn)
+    ids = diamond_run(conn, T0)
+    bars = gantt.bars(rows_of(ids, conn))
+    path = gantt.critical_path(bars, T0 + timedelta(hours=1))
+    drawn = gantt.shown_bars(bars, path, 3)
+    assert {b.run_id for b in drawn} == set(path)  # clean (not critical) is left out
+    assert [b.job for b in gantt.shown_bars(bars, path, 10)] == [b.job for b in bars]
+
+
 def test_a_dag_run_still_running_counts_to_now(conn: Conn) -> None:
     diamond(conn)
     ids = diamond_run(conn, T0)
