@@ -87,10 +87,16 @@ def test_the_slowest_jobs_come_from_counted_hours_and_the_live_hour(conn: Conn) 
                      " VALUES (%s, %s, 'succeeded', 1, 1, 'manual', 'default', %s, %s, %s)",
                      (job, T0 + timedelta(seconds=i), end - timedelta(seconds=seconds),
                       end - timedelta(seconds=seconds), end))
+    data = panels.dashboard_panels(conn)
+    # One hour per computation, the newest closed one first (ended 2 minutes ago).
+    newest = conn.execute("SELECT date_trunc('hour', now() - interval '120 s')"
+                          " - interval '1 hour' AS h").fetchone()["h"]  # type: ignore[index]
+    first = conn.execute("SELECT hour FROM pgflow.slow_hours").fetchall()
+    assert [r["hour"] for r in first] == [newest]
     for _ in range(25):
         data = panels.dashboard_panels(conn)
     counted = conn.execute("SELECT count(*) AS n FROM pgflow.slow_hours").fetchone()
-    assert counted is not None and counted["n"] >= 23  # every closed hour counted once
+    assert counted is not None and counted["n"] >= 23  # the day's closed hours, once each
     assert [(s["job"], s["seconds"]) for s in data["slowest"]] == [("b", 900.0), ("a", 500.0)]
 
 
