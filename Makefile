@@ -44,9 +44,11 @@ system-deps:
 		$(call apt_install,patroni etcd-server) || \
 		echo "patroni/etcd-server unavailable: the database failover test will be skipped"
 
+# Three xdist workers, each with its own throwaway PostgreSQL cluster.
+TEST_WORKERS ?= 3
 test: install-test system-deps
 	$(BIN)/ruff check pgflow tests
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # The chaos soak of tests/chaos.py for minutes (make test runs a 40 s version).
 SOAK_SECONDS ?= 600
