@@ -425,3 +425,20 @@ def test_retention_removes_the_output_with_its_run(conn: Conn) -> None:
     retention.run_once(conn, 86400.0)
     assert conn.execute("SELECT count(*) AS n FROM pgflow.run_output").fetchone()["n"] == 0
     assert conn.execute("SELECT count(*) AS n FROM pgflow.runs").fetchone()["n"] == 0
+
+
+def test_a_flood_of_output_is_drained_not_stored(
+        conn: Conn, db_url: str, tmp_path: Path, replicas: Replicas) -> None:
+    # 50 MB as fast as the pipe takes it: the command is never blocked by pgflow (it
+    # ends), and what is stored stays within the limit (1 MiB here).
+    add_job(conn, "flood", command=sh("head -c 50000000 /dev/zero | tr '\\0' x; echo; echo end"))
+    replicas.start("a", env={"PGFLOW_LOG_LIMIT": "1MiB"}).id(conn)
+    run_id = trigger(db_url, tmp_path, "flood")
+    assert wait_state(conn, run_id, "succeeded", "failed", timeout=120)["state"] == "succeeded"
+    stored = conn.execute("SELECT sum(length(data)) AS n FROM pgflow.run_output"
+                          " WHERE run_id = %s", (run_id,)).fetchone()["n"]
+    assert 1024 * 1024 <= stored <= 1024 * 1024 + live.CHUNK_MAX
+    out = logs(db_url, tmp_path, run_id)
+    assert out.startswith("xxxx") and out.endswith("x\nend\n")
+    assert "bytes of output dropped" in out
+    assert attempts(conn, run_id)[0]["stdout_tail"].endswith("x\nend\n")

@@ -177,4 +177,6 @@ def test_the_run_page_shows_live_output_and_a_progress_bar(
     shot(page, "run-live-output")
     page.goto(server.url + "/runs?state=running")
     assert page.locator("table.runs progress.run-progress").count() == 1
+    page.goto(server.url + "/")  # the dashboard's running runs
+    assert page.locator("#running-runs progress.run-progress").get_attribute("value") == "0.4"
     go.touch()
