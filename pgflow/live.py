@@ -431,10 +431,14 @@ class Flusher:
             for _, live, taken in batch:
                 live.give_back(taken)
             raise
-        held = set(row["held"])
+        held = {(int(run_id), int(attempt)) for run_id, attempt in row["held"]}
         for key, live, taken in batch:
-            if key[0] in held:
+            if key in held:
                 live.written(taken)
+            elif self.log is not None:
+                self.log.warning("live output dropped: the attempt no longer holds its lease",
+                                 run_id=key[0], attempt=key[1],
+                                 bytes=sum(len(p.data) for p in taken.pieces))
         if any(live.pending for _, live, _ in batch):
             self._wake.set()  # more than one statement's worth: go on at once
 

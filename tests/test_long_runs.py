@@ -442,3 +442,32 @@ def test_a_flood_of_output_is_drained_not_stored(
     assert out.startswith("xxxx") and out.endswith("x\nend\n")
     assert "bytes of output dropped" in out
     assert attempts(conn, run_id)[0]["stdout_tail"].endswith("x\nend\n")
+
+
+def test_a_frozen_then_resumed_worker_late_chunks_are_not_stored(
+        conn: Conn, db_url: str, tmp_path: Path, replicas: Replicas) -> None:
+    script = ('if [ "$PGFLOW_ATTEMPT" = 1 ]; then i=0; while true; do i=$((i+1));'
+              ' echo "attempt 1 line $i"; sleep 0.1; done; fi; echo "attempt 2"')
+    add_job(conn, "frozen-chatty", command=sh(script), retry=FAST_RETRY)
+    first = replicas.start("a")
+    first.id(conn)
+    run_id = trigger(db_url, tmp_path, "frozen-chatty")
+
+    def stored(attempt: int) -> int:
+        return conn.execute("SELECT count(*) AS n FROM pgflow.run_output WHERE run_id = %s"
+                            " AND attempt = %s", (run_id, attempt)).fetchone()["n"]
+
+    wait_for(lambda: stored(1) > 0 or None, timeout=20)  # live output of attempt 1
+    first.stop_signal()
+    second = replicas.start("b")
+    second.id(conn)
+    wait_state(conn, run_id, "succeeded", timeout=30)  # attempt 2 ran elsewhere
+    before = stored(1)
+    offset = first.log_size()
+    first.cont()
+    # The resumed worker still had attempt 1's last output to write: it was refused.
+    dropped = first.wait_log("live output dropped", since=offset,
+                             where=lambda r: r.get("run_id") == run_id, timeout=20)
+    assert dropped["attempt"] == 1 and dropped["bytes"] > 0
+    assert stored(1) == before
+    assert logs(db_url, tmp_path, run_id) == "attempt 2\n"

@@ -50,7 +50,7 @@ WITH held AS (
       AND o.pos + length(o.data) <= p.before_pos
     RETURNING o.run_id
 )
-SELECT ARRAY(SELECT id FROM held) AS held,
+SELECT (SELECT coalesce(jsonb_agg(jsonb_build_array(id, attempt)), '[]') FROM held) AS held,
        (SELECT count(*) FROM written) AS chunks,
        (SELECT count(*) FROM reported) AS reported,
        (SELECT count(*) FROM pruned) AS pruned
