@@ -471,3 +471,16 @@ def test_a_frozen_then_resumed_worker_late_chunks_are_not_stored(
     assert dropped["attempt"] == 1 and dropped["bytes"] > 0
     assert stored(1) == before
     assert logs(db_url, tmp_path, run_id) == "attempt 2\n"
+
+
+def test_log_limit_setting() -> None:
+    from pgflow.config import load_settings
+    from pgflow.errors import ConfigError
+
+    assert load_settings({}).log_limit == 16 * 1024 * 1024
+    assert load_settings({"PGFLOW_LOG_LIMIT": "512KiB"}).log_limit == 512 * 1024
+    assert load_settings({}, log_limit="2m").log_limit == 2 * 1024 * 1024
+    with pytest.raises(ConfigError, match="PGFLOW_LOG_LIMIT='lots': expected a size"):
+        load_settings({"PGFLOW_LOG_LIMIT": "lots"})
+    with pytest.raises(ConfigError, match="--log-limit='1k'"):
+        load_settings({}, log_limit="1k")
