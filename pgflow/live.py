@@ -10,7 +10,13 @@ a third pipe, the command's fd 3, named ``/dev/fd/3`` (descendants inherit it un
 they close it; Python's ``subprocess`` needs ``pass_fds=(3,)``). A Python job calls
 ``ctx.progress`` / ``ctx.checkpoint``. Nothing a job does waits for the database:
 writes only append to memory, and the replica drains the pipes as fast as it reads
-stdout today.
+stdout today (a frozen replica drains nothing: the job then blocks on a full pipe,
+stdout's or the control pipe's alike, until the supervisor kills it at its lease
+deadline).
+
+Cost. Per attempt: one more pipe (~10 µs for a command, under 1 % of its ~1.4 ms of
+CPU) and a ``LiveOutput`` (~1 µs for every attempt, under 1 % of a no-op's
+~0.14 ms); attempts that report nothing add nothing to any statement.
 
 Flushes. One ``Flusher`` per worker writes every attempt's news in ONE statement
 (``live_flush``) every ``FLUSH_S`` seconds, on its own connection (opened at the
