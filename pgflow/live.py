@@ -524,7 +524,7 @@ def read_output(conn: psycopg.Connection[Any], run_id: int, attempt: int | None 
 
     if not 0 < run_id < 2**63:
         raise NotFound(f"no run {run_id} (see 'pgflow runs list')")
-    if not 0 <= offset < 2**62:
+    if not 0 <= offset <= 2**62:
         raise InvalidInput(f"offset must be 0 or more, got {offset}")
     if attempt is not None and not 0 < attempt < 2**31:
         raise InvalidInput(f"attempt must be 1 or more, got {attempt}")
