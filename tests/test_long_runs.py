@@ -484,3 +484,38 @@ def test_log_limit_setting() -> None:
         load_settings({"PGFLOW_LOG_LIMIT": "lots"})
     with pytest.raises(ConfigError, match="--log-limit='1k'"):
         load_settings({}, log_limit="1k")
+
+
+def test_two_concurrent_reruns_run_the_run_once(conn: Conn, db_url: str) -> None:
+    import threading
+
+    from psycopg.rows import dict_row
+
+    add_job(conn, "twice", command=sh("true"))
+    run_id = enqueue(conn, "twice")
+    conn.execute("UPDATE pgflow.runs SET state = 'succeeded', attempt = 1, finished_at = now()"
+                 " WHERE id = %s", (run_id,))
+    outcome: dict[str, Any] = {}
+    with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as first, \
+            psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as second:
+        second_pid = second.info.backend_pid
+
+        def other() -> None:
+            try:
+                outcome["second"] = rerun(second, run_id)
+            except Conflict as exc:
+                outcome["refused"] = str(exc)
+
+        with first.transaction():
+            assert rerun(first, run_id)["state"] == "queued"
+            thread = threading.Thread(target=other)
+            thread.start()
+            # The second re-run waits for the first one's row lock...
+            wait_for(lambda: conn.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                (second_pid,)).fetchone()["wait_event_type"] == "Lock" or None, timeout=20)
+        thread.join(20)
+    # ...and once the first commits, it sees the run queued: refused, nothing doubled.
+    assert "second" not in outcome and "is queued (active)" in outcome["refused"]
+    row = run_state(conn, run_id)
+    assert (row["state"], row["attempt"]) == ("queued", 1)
