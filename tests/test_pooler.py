@@ -240,7 +240,7 @@ def test_the_pooler_url_is_a_setting_and_a_serve_flag() -> None:
     assert load_settings({"PGFLOW_POOLER_URL": url}).pooler_url == url
     assert load_settings({"PGFLOW_POOLER_URL": ""}).pooler_url is None
     assert load_settings({}, pooler_url=url).pooler_url == url
-    with pytest.raises(ConfigError, match="PGFLOW_POOLER_URL='mysql://x'.*postgresql://"):
+    with pytest.raises(ConfigError, match=r"PGFLOW_POOLER_URL='mysql://x'.*postgresql://"):
         load_settings({"PGFLOW_POOLER_URL": "mysql://x"})
     done = subprocess.run([sys.executable, "-m", "pgflow", "serve", "--pooler-url", "nope"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
