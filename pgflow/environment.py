@@ -2,25 +2,26 @@
 
 Command jobs get the replica's environment minus every variable whose name starts
 with ``PG`` — pgflow's own configuration (``PGFLOW_DATABASE_URL`` and
-``PGFLOW_POOLER_URL`` with their passwords, ``PGFLOW_SECRET_KEY`` that signs admin
-sessions, ``PGFLOW_HOME``, … every ``PGFLOW_*``) and libpq's (``PGPASSWORD``,
-``PGHOST``, ``PGSERVICE``, ``PGPASSFILE``, …) — plus the run's own ``PGFLOW_RUN_ID``,
-``PGFLOW_JOB``, ``PGFLOW_LOGICAL_TIME``, ``PGFLOW_ATTEMPT`` and ``PGFLOW_PARAMS``. One
-prefix rather than a list: a libpq release with a new variable is covered, and the
-embedded cluster already starts its server with the same rule. The price: a job that
-wants libpq defaults for its own database sets them itself (``env PGHOST=… psql``, a
-wrapper, its params); it never gets pgflow's by accident.
+``PGFLOW_POOLER_URL`` with their passwords,
+``PGFLOW_SECRET_KEY`` that signs admin sessions, ``PGFLOW_HOME``, … every
+``PGFLOW_*``) and libpq's (``PGPASSWORD``, ``PGHOST``, ``PGSERVICE``, ``PGPASSFILE``,
+…) — plus the run's own ``PGFLOW_RUN_ID``, ``PGFLOW_JOB``, ``PGFLOW_LOGICAL_TIME``,
+``PGFLOW_ATTEMPT`` and ``PGFLOW_PARAMS``. One prefix rather than a list: a libpq
+release with a new variable is covered, and the embedded cluster already starts
+its server with the same rule. The price: a job that wants libpq defaults for its
+own database sets them itself (``env PGHOST=… psql``, a wrapper, its params); it
+never gets pgflow's by accident.
 
 Python jobs run inside the replica and read ``os.environ``, so ``pgflow serve``
 removes from its own environment, once its settings are loaded, every ``PGFLOW_*``
 variable and every libpq variable that names a connection keyword
 (``pq.Conninfo.get_defaults``). libpq reads those again at each (re)connect, so
-their values are first written into the connection strings, the pooler's too
-(``pin_libpq``). The few libpq variables without a keyword (``PGSERVICEFILE``,
-``PGSYSCONFDIR``, ``PGLOCALEDIR`` with libpq 18) stay: libpq still needs them to find a
-service file, and they are paths, not credentials. The removed values are also
-overwritten in the process's original environment block, which ``/proc/<pid>/environ``
-keeps showing after ``unsetenv``.
+their values are first written into the connection strings (``pin_libpq``). The few
+libpq variables without a keyword (``PGSERVICEFILE``, ``PGSYSCONFDIR``,
+``PGLOCALEDIR`` with libpq 18) stay: libpq still needs them to find a service file,
+and they are paths, not credentials. The removed values are also overwritten in the
+process's original environment block, which ``/proc/<pid>/environ`` keeps showing
+after ``unsetenv``.
 
 Limits: jobs run as the replica's OS user, so they can read what it can —
 ``~/.pgpass``, ``$PGFLOW_HOME/secret``, the replica's command line if the URL was
