@@ -248,3 +248,12 @@ def test_the_pooler_url_is_a_setting_and_a_serve_flag() -> None:
     assert done.returncode != 0
     assert done.stderr.startswith("error: invalid setting flag --pooler-url='nope'")
     assert done.stderr.count("\n") == 1
+
+
+def test_the_kubernetes_deployments_take_an_optional_pooler_url_from_the_secret() -> None:
+    from test_deploy import container, env, find
+
+    for name in ("pgflow-scheduler", "pgflow-worker"):
+        variable = env(container(find("Deployment", name)))["PGFLOW_POOLER_URL"]
+        assert variable["valueFrom"]["secretKeyRef"] == {
+            "name": "pgflow", "key": "PGFLOW_POOLER_URL", "optional": True}
