@@ -108,7 +108,7 @@ def test_twenty_replicas_share_a_pool_of_ten_and_run_a_fan_out_exactly_once(
     cli(db_url, tmp_path, env, "apply", str(fan_out_jobs(tmp_path / "jobs.toml", out)))
     for i in range(REPLICAS):
         roles = ("scheduler", "worker", "reaper") if i < SCHEDULERS else ("worker",)
-        replicas.start(f"r{i}", roles=roles, concurrency=2, lease_ttl=15, env=env)
+        replicas.start(f"r{i}", roles=roles, concurrency=2, lease_ttl=30, env=env)
     until(lambda: scalar(conn, "SELECT count(*) FROM pgflow.replicas") == REPLICAS or None,
           timeout=120)
 
