@@ -36,13 +36,6 @@ Failures. Any error on the lock connection (connection lost, backend
 terminated, server restart) makes the replica stop scheduling at once, close
 the connection and compete again after an exponential backoff (full jitter,
 capped at about 5 s); ``run_scheduler`` never raises on database errors.
-A server that goes silent (frozen, or a partition that drops packets: its
-kernel, or a relay's, still acknowledges TCP, so no socket error comes) is
-caught by a watchdog: every heartbeat and every standby round marks progress,
-and when none came for ``stall_s`` (half the lease TTL, at least 5 s) the
-lock connection is closed like after an error. The replica then reconnects,
-which with a multi-host URL finds the promoted primary. Nothing is lost by
-closing too early: whatever was in flight rolls back with the session.
 A replica that stops (``stop`` set or task cancelled) closes the connection,
 which releases the lock: a standby takes over within about a second.
 
@@ -71,7 +64,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -83,7 +75,7 @@ from psycopg.rows import dict_row
 
 from pgflow import backfill, retention, safety_net
 from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
-from pgflow.db import StatementTimeout, connect_async
+from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
 from pgflow.scheduler import SchedulePass, run_once
@@ -102,9 +94,6 @@ BACKOFF_CAP = 5.0
 BUSY_NAP = 0.1
 # How long a standby waits for a terminated leader session to exit.
 TERMINATE_WAIT_MS = 2000
-# The lock connection is given up after this long without a heartbeat or standby round
-# (at least STALL_MIN_S, and never less than half the lease TTL).
-STALL_MIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -168,8 +157,6 @@ class Leadership:
         self._term: int | None = None
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
         self._failures = 0
-        self.stall_s = max(STALL_MIN_S, lease_ttl / 2)
-        self._progress_at = 0.0  # last heartbeat or standby round (the watchdog's clock)
 
     @property
     def is_leader(self) -> bool:
@@ -187,7 +174,7 @@ class Leadership:
         while not stop.is_set():
             try:
                 async with await connect_async(self.url, "scheduler") as conn:
-                    await self._watched(conn, self._compete(conn, stop))
+                    await self._compete(conn, stop)
             except psycopg.Error as exc:
                 self._failures += 1
                 self._log.warning("scheduler connection failed", error=_one_line(exc),
@@ -199,29 +186,6 @@ class Leadership:
                 self._set_follower()
             # After an error, back off; after losing leadership, let another replica win.
             await _sleep(stop, self._retry_delay())
-
-    async def _watched(self, conn: AsyncConnection[Any], work: Awaitable[None]) -> None:
-        """Run ``work`` on the lock connection while it makes progress; after ``stall_s``
-        without a heartbeat or standby round, close the connection (the statement waits
-        on a silent server) and raise StatementTimeout."""
-        self._progress_at = time.monotonic()
-        task = asyncio.ensure_future(work)
-        try:
-            while not task.done():
-                idle = time.monotonic() - self._progress_at
-                if idle >= self.stall_s:
-                    break
-                await asyncio.wait({task}, timeout=self.stall_s - idle)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if task.done():
-            return task.result()
-        await conn.close()  # first: cancelling would send a cancel request over it
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise StatementTimeout(f"scheduler: no answer from the database for {self.stall_s:g}s")
 
     def _retry_delay(self) -> float:
         if not self._failures:
@@ -236,7 +200,6 @@ class Leadership:
                 return  # leadership over: drop the lock connection
             deposed = await self._depose_frozen_leader(conn)
             self._failures = 0  # a whole standby round worked
-            self._progress_at = time.monotonic()
             if not deposed:
                 await _sleep(stop, self.retry_interval)
 
@@ -283,7 +246,7 @@ class Leadership:
         params = {"replica_id": self.replica_id, "term": self._term}
         if await _fetch_value(conn, "leader_heartbeat", params) is None:
             raise _LostLeadership
-        self._confirmed_at = self._progress_at = time.monotonic()
+        self._confirmed_at = time.monotonic()
         self._failures = 0
 
     async def _wait_for_work(
