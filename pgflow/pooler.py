@@ -25,10 +25,11 @@ CLI command, ``serve`` start  one                    poolable    migrations: dir
 ============================  =====================  ==========  ==========================
 
 So an all-roles replica holds 2 direct and 6 to 16 poolable connections, a worker-only
-replica 1 direct and 4 or 5 poolable (live output: pgflow/live.py). Without ``PGFLOW_POOLER_URL`` every one of them goes
-to ``PGFLOW_DATABASE_URL``; with it, only the direct ones do, and PostgreSQL sees one
-lock session per scheduler-role replica, one LISTEN session per worker-role replica and
-PgBouncer's pool, however many replicas there are.
+replica 1 direct and 4 or 5 poolable (live output: pgflow/live.py). Without
+``PGFLOW_POOLER_URL`` every one of them goes to ``PGFLOW_DATABASE_URL``; with it, only
+the direct ones do, and PostgreSQL sees one lock session per scheduler-role replica,
+one LISTEN session per worker-role replica and PgBouncer's pool, however many replicas
+there are.
 
 What must stay direct, and why. A transaction-mode pooler gives each *transaction* some
 server session; a session's state does not follow the client from one transaction to
