@@ -22,6 +22,9 @@ class SourceUnavailable(Exception):
         self.source = source
 
 
+_MAKING = threading.Lock()
+
+
 class Context:
     """One attempt of one run, as seen by the job's code.
 
@@ -36,14 +39,18 @@ class Context:
     runs never touch either, and both cost more than the rest of their bookkeeping).
     """
 
-    __slots__ = ("_cancelled", "_checkpoint_json", "_live", "_params", "_params_json",
+    __slots__ = ("_cancelled", "_checkpoint_json", "_live", "_params", "_params_json", "_report",
                  "attempt", "job", "logger", "logical_time", "run_id")
 
     def __init__(self, run_id: int, job: str, logical_time: datetime, attempt: int,
                  params: dict[str, Any] | str, logger: Any, *,
-                 checkpoint_json: str | None = None, live: LiveOutput | None = None) -> None:
+                 checkpoint_json: str | None = None, live: LiveOutput | None = None,
+                 report: bool = False) -> None:
+        """``live``: where reports go (a command's); ``report``: make one at the first
+        report (a Python job's: most never report, and skip its cost)."""
         self._checkpoint_json = checkpoint_json
         self._live = live
+        self._report = report
         self.run_id = run_id
         self.job = job
         self.logical_time = logical_time
@@ -84,8 +91,9 @@ class Context:
         report is kept, and stored with the next flush (every ~2 s). ValueError for a
         fraction outside 0..1 or a message that is not a string."""
         fraction, message = check_progress(fraction, message)
-        if self._live is not None:
-            self._live.progress(fraction, message)
+        live = self.live_output
+        if live is not None:
+            live.progress(fraction, message)
 
     def checkpoint(self, value: Any) -> None:
         """Store ``value`` (JSON, at most 1 MiB) with the run: a later attempt of this run
@@ -93,8 +101,26 @@ class Context:
         and at the latest before the attempt's result, only while this attempt holds its
         lease. ValueError when ``value`` is not JSON or too large."""
         text = encode_checkpoint(value)
-        if self._live is not None:
-            self._live.checkpoint(text)
+        live = self.live_output
+        if live is not None:
+            live.checkpoint(text)
+
+    @property
+    def live_output(self) -> LiveOutput | None:
+        """Where this attempt's reports wait for the worker's next flush (pgflow.live)."""
+        if self._live is None and self._report:
+            with _MAKING:  # a job may report from several threads at once
+                if self._live is None:
+                    self._live = LiveOutput()
+        return self._live
+
+    @property
+    def reported(self) -> LiveOutput | None:
+        """``live_output`` if it exists (the worker looks without making one)."""
+        return self._live
+
+    def attach(self, live: LiveOutput) -> None:
+        self._live = live
 
     def __repr__(self) -> str:
         return (f"Context(run_id={self.run_id}, job={self.job!r}, attempt={self.attempt},"

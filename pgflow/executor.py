@@ -97,13 +97,19 @@ class Execution:
         self.job = job
         self.logger = logger
         self.threads = threads
-        self.live = LiveOutput(log_limit)
+        self._log_limit = log_limit
         self.ctx = Context(job.run_id, job.job, job.logical_time, job.attempt, job.params, logger,
-                           checkpoint_json=job.checkpoint, live=self.live)
+                           checkpoint_json=job.checkpoint, report=job.command is None)
         self._stop_outcome: str | None = None
         self._deadline = deadline
         self._command: supervisor.Command | None = None  # a running command
         self._work: asyncio.Future[Any] | None = None  # callables: cancelled to stop
+
+    @property
+    def live(self) -> LiveOutput | None:
+        """What the attempt reported and the worker has not stored yet; None while a
+        Python job reported nothing (pgflow.live)."""
+        return self.ctx.reported
 
     @property
     def stop_outcome(self) -> str | None:
@@ -164,7 +170,8 @@ class Execution:
             return AttemptResult(self._stop_outcome, error="stopped before the command started")
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         out, err = Tail(), Tail()
-        live = self.live
+        live = LiveOutput(self._log_limit)
+        self.ctx.attach(live)
 
         def on_out(chunk: bytes) -> None:
             out.write(chunk)

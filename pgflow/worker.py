@@ -338,9 +338,10 @@ class Worker:
             held.execution.logger.exception("internal error while running the attempt")
             result = AttemptResult(retry.FAILED, error=f"internal error: {exc!r}")
         lost = held.execution.stop_outcome == retry.LOST and not held.self_fenced
-        if not lost and held.execution.live.needs_final():
+        reported = held.execution.live
+        if not lost and reported is not None and reported.needs_final():
             # Its last output and checkpoint are stored before its result is.
-            await self._live.final(held.key, held.execution.live, self._bound_s)
+            await self._live.final(held.key, reported, self._bound_s)
         self._ended(held)
         if held.execution.stop_outcome == retry.LOST and not held.self_fenced:
             held.execution.logger.warning("lease lost: attempt stopped, result discarded")
@@ -370,7 +371,8 @@ class Worker:
         self._wake.set()
 
     def _live_attempts(self) -> list[tuple[Key, live.LiveOutput]]:
-        return [(key, held.execution.live) for key, held in self.active.items()]
+        return [(key, reported) for key, held in self.active.items()
+                if (reported := held.execution.live) is not None]
 
     def _thread_returned(self) -> None:
         self._abandoned -= 1
