@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pgflow import environment, health, reaper, supervisor
+from pgflow.alerts import outbox as alert_outbox
+from pgflow.alerts import secrets as alert_secrets
 from pgflow.config import DEFAULT_RETENTION_S, Settings
 from pgflow.errors import PgflowError
 from pgflow.leader import run_scheduler
@@ -78,6 +80,7 @@ def hide_secrets(options: ServeOptions) -> ServeOptions:
     them); the options returned carry what the replica still needs of them."""
     url = environment.pin_libpq(options.url, os.environ)
     key = {k: os.environ[k] for k in ("PGFLOW_SECRET_KEY",) if k in os.environ}
+    alert_secrets.capture(os.environ, url)  # url_env/secret_env of [alerts]: senders only
     environment.scrub(os.environ)
     return replace(options, url=url, secret_env={**key, **options.secret_env})
 
@@ -97,8 +100,11 @@ async def _serve(options: ServeOptions) -> str | None:
     if "scheduler" in options.roles:
         tasks.append(_supervised("scheduler", lambda: run_scheduler(
             options.url, replica.id, options.lease_ttl, stop_scheduling, log,
-            retention_s=options.retention),
+            retention_s=options.retention, public_url=options.settings.ui_url),
             stop_scheduling, log))
+    tasks.append(_supervised("alerts", lambda: alert_outbox.run_sender(  # every replica
+        options.url, public_url=options.settings.ui_url, lease_ttl=options.lease_ttl,
+        stop=stop, log=log), stop, log))
     if "reaper" in options.roles:
         tasks.append(_supervised("reaper", lambda: reaper.run_reaper(
             options.url, options.lease_ttl, stop, log), stop, log))
