@@ -247,11 +247,13 @@ RETURNING delivery
 
 -- name: notification_test
 -- A test notification, sent at once by the caller (not by the senders).
-INSERT INTO pgflow.notifications (alert, event, status, payload, next_attempt_at, attempts)
+-- (If the caller dies mid-send, a sender tries it once an hour later, then gives up.)
+INSERT INTO pgflow.notifications (alert, event, status, payload, next_attempt_at, give_up_at,
+                                  attempts)
 VALUES (%(alert)s, 'test', 'firing',
         %(payload)s::jsonb || jsonb_build_object(
             'at', to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"Z"')),
-        'infinity', 1)
+        now() + interval '1 hour', now(), 1)
 RETURNING id::text AS id, payload
 
 -- name: notification_test_result
