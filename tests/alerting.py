@@ -35,7 +35,7 @@ class Receiver:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 owner.requests.append({"path": self.path, "headers": dict(self.headers),
                                        "raw": raw, "body": json.loads(raw)})
@@ -80,11 +80,11 @@ def apply_toml(conn: Conn, path: Path, text: str) -> registry.ApplyResult:
 
 
 def evaluate_once(url: str, lease_ttl: float = 30.0,
-                  thresholds: evaluate.Thresholds = evaluate.Thresholds()) -> evaluate.AlertPass:
+                  thresholds: evaluate.Thresholds | None = None) -> evaluate.AlertPass:
     async def main() -> evaluate.AlertPass:
         async with await connect_async(url, "test-alerts") as conn:
             return await evaluate.run_once(conn, public_url=PUBLIC, lease_ttl=lease_ttl,
-                                           thresholds=thresholds)
+                                           thresholds=thresholds or evaluate.Thresholds())
 
     return asyncio.run(main())
 

@@ -224,3 +224,13 @@ def firing(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     """How many incidents are open (the banner's one indexed lookup)."""
     row = conn.execute(q("incidents_firing_count")).fetchone()
     return dict(row) if row else {"firing": 0, "latest": None}
+
+
+BANNER_ITEMS = 5
+
+
+def banner(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """The newest open incidents and how many are open, for the banner on every page:
+    one indexed query."""
+    rows = conn.execute(q("incidents_banner"), {"limit": BANNER_ITEMS}).fetchall()
+    return {"total": int(rows[0]["total"]) if rows else 0, "items": rows}

@@ -84,6 +84,9 @@ CREATE INDEX notifications_due_idx ON pgflow.notifications (next_attempt_at)
     WHERE delivery = 'pending';
 -- The delivery log (newest first) and retention.
 CREATE INDEX notifications_created_idx ON pgflow.notifications (created_at DESC);
+-- The backlog gauge and the undelivered list.
+CREATE INDEX notifications_undelivered_idx ON pgflow.notifications (delivery)
+    WHERE delivery <> 'delivered';
 
 -- The evaluator's cursors: how far it has looked at finished runs and breaker transitions.
 CREATE TABLE pgflow.alert_cursor (

@@ -292,7 +292,14 @@ ORDER BY created_at DESC LIMIT %(limit)s
 -- name: notification_backlog
 SELECT count(*) FILTER (WHERE delivery = 'pending') AS pending,
        count(*) FILTER (WHERE delivery = 'given_up') AS given_up
-FROM pgflow.notifications
+FROM pgflow.notifications WHERE delivery <> 'delivered'
+
+-- name: incidents_banner
+-- The banner on every page: the newest open incidents and how many are open
+-- (incidents_firing_idx; the window counts the open set before the limit).
+SELECT id, event, key, summary, opened_at, count(*) OVER () AS total
+FROM pgflow.incidents WHERE resolved_at IS NULL
+ORDER BY opened_at DESC LIMIT %(limit)s
 
 -- name: incidents_open_by_event
 SELECT event, count(*) AS open FROM pgflow.incidents WHERE resolved_at IS NULL GROUP BY event
