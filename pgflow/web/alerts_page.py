@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pgflow.alerts import outbox
-from pgflow.errors import NotFound
+from pgflow.errors import NotFound, PgflowError
 from pgflow.spec import NAME_RE
 from pgflow.web._session import Viewer, page
 from pgflow.web._state import Conn, web_state
@@ -30,7 +30,7 @@ def _test(conn: Conn, viewer: Viewer, request: Request, form: Form) -> tuple[str
         raise NotFound(f"unknown alert {name[:60]!r}")
     result = outbox.send_test(conn, name, web_state(request).settings.ui_url)
     if not result.answer.ok:
-        raise NotFound(f"test notification to alert {name} failed: {result.answer.describe()}")
+        raise PgflowError(f"test notification to alert {name} failed: {result.answer.describe()}")
     return f"test notification sent to alert {name}: HTTP {result.answer.status}", "/alerts"
 
 
