@@ -360,3 +360,6 @@ class AlertTestResult(_Out):
     ok: bool
     status: int | None = Field(description="HTTP status the receiver answered.")
     error: str | None = Field(description="Why there was no answer (timeout, refused...).")
+
+
+RESPONSE_MODELS += (AlertOverview, AlertTestResult)

@@ -63,7 +63,9 @@ def test_api_test_send_needs_operator_and_reports_the_answer(
 
 def test_openapi_documents_the_alert_endpoints(client: httpx.Client) -> None:
     paths = client.get("/api/v1/openapi.json").json()["paths"]
-    assert "get" in paths["/api/v1/alerts"] or "get" in paths.get("/alerts", {})
+    assert paths["/api/v1/alerts"]["get"]["operationId"] == "listAlerts"
+    test = paths["/api/v1/alerts/{name}/test"]["post"]
+    assert test["operationId"] == "testAlert" and "404" in test["responses"]
 
 
 def test_metrics_expose_open_incidents_and_the_backlog(client: httpx.Client,
