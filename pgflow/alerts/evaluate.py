@@ -142,29 +142,35 @@ async def _streaks(cur: Any, conn: AsyncConnection[Any], cursor: dict[str, Any],
     jobs = sorted({r["job"] for r in rows})
     await cur.execute(q("alert_open_streaks"), {"jobs": jobs})
     open_by_job: dict[str, dict[str, Any]] = {r["job"]: r for r in await cur.fetchall()}
-    transitions: list[Transition] = []
+    # In finish order: ("open", first dead letter, the streak's dead letters in this batch)
+    # or ("resolve", the success, []); dead letters of a streak already open are appended.
+    plan: list[tuple[str, dict[str, Any], list[int]]] = []
     appended: dict[int, list[int]] = {}
+    current: dict[str, list[int] | None] = {}  # the runs list of a streak opened in this batch
     streak: dict[str, bool] = {job: job in open_by_job for job in jobs}
     for row in rows:
         job = row["job"]
         if row["state"] == "failed":
-            if streak[job]:
-                incident = open_by_job.get(job)
-                if incident is not None:
-                    appended.setdefault(incident["id"], []).append(row["id"])
-                continue
-            streak[job] = True
-            open_by_job.pop(job, None)  # a new incident opens in this pass
-            transitions.append(_run_failed(row, links))
+            if not streak[job]:
+                streak[job] = True
+                runs: list[int] = [row["id"]]
+                current[job] = runs
+                plan.append(("open", row, runs))
+            elif (opened := current.get(job)) is not None:
+                opened.append(row["id"])
+            else:
+                appended.setdefault(open_by_job[job]["id"], []).append(row["id"])
         elif streak[job]:
             streak[job] = False
+            current[job] = None
             open_by_job.pop(job, None)
-            transitions.append(_run_recovered(row, links))
+            plan.append(("resolve", row, []))
+    transitions = [_run_failed(row, runs, links) if kind == "open" else
+                   _run_recovered(row, links) for kind, row, runs in plan]
     await apply(conn, transitions, found)
     if appended:
         await cur.execute(q("alert_append_runs"), {
-            "rows": json.dumps([{"id": k, "runs": v} for k, v in appended.items()]),
-            "summary_prefix": "job failing: "})
+            "rows": json.dumps([{"id": k, "runs": v} for k, v in appended.items()])})
     last: dict[str, dict[str, Any]] = {}
     for row in rows:
         last[row["job"]] = {"job": row["job"], "last_run_id": row["id"],
@@ -173,13 +179,15 @@ async def _streaks(cur: Any, conn: AsyncConnection[Any], cursor: dict[str, Any],
     return checked_at
 
 
-def _run_failed(row: dict[str, Any], links: Links) -> Transition:
+def _run_failed(row: dict[str, Any], runs: list[int], links: Links) -> Transition:
     error = (row["error"] or "")[:ERROR_CHARS] or None
     summary = (f"job {row['job']} failed: run {row['id']} dead-lettered after attempt"
                f" {row['attempt']}" + (f": {_last_line(error)}" if error else ""))
+    if len(runs) > 1:
+        summary = f"job failing: {row['job']}, {len(runs)} dead letters in a row"
     return Transition(
         "open", "run_failed", row["job"], summary, job=row["job"], tenant=row["tenant"],
-        run_id=row["id"], runs=(row["id"],),
+        run_id=row["id"], runs=tuple(runs),
         details={"logical_time": row["logical_time"], "attempt": row["attempt"],
                  "error": error},
         payload={"url": links(f"/runs/{row['id']}"), "job": row["job"],

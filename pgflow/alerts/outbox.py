@@ -136,15 +136,15 @@ class Sender:
         return len(rows)
 
     async def _deliver(self, conn: AsyncConnection[Any], row: dict[str, Any]) -> None:
-        target = resolve_target(row["target"])
-        answer = await send(row["id"], row["payload"], target, self.timeout)
-        params = {"id": row["id"], "attempts": row["attempts"], "status": answer.status}
         try:
+            target = resolve_target(row["target"])
+            answer = await send(row["id"], row["payload"], target, self.timeout)
+            params = {"id": row["id"], "attempts": row["attempts"], "status": answer.status}
             async with self._lock:
                 if answer.ok:
                     await conn.execute(q("notification_delivered"), params)
                     self._log.info("alert delivered", notification=row["id"],
-                                   alert=row["alert"], event=row["event"],
+                                   alert=row["alert"], alert_event=row["event"],
                                    attempts=row["attempts"])
                     return
                 delay = backoff_delay(row["attempts"], self.backoff_base_s, BACKOFF_CAP_S,
@@ -155,13 +155,16 @@ class Sender:
                 result = await cur.fetchone()
             # The URL may be a secret (url_env): log the alert's name, never its URL.
             self._log.warning("alert not delivered", notification=row["id"],
-                              alert=row["alert"], event=row["event"], attempts=row["attempts"],
+                              alert=row["alert"], alert_event=row["event"],
+                              attempts=row["attempts"],
                               answer=answer.describe()[:200],
                               given_up=bool(result and result[0] == "given_up"),
                               retry_in_s=round(delay, 1))
         except psycopg.Error as exc:
             # The row stays claimed until its lease passes, then it is retried.
             self._log.warning("alert sender: could not record a result", error=str(exc))
+        except Exception:
+            self._log.exception("alert sender: delivery failed", notification=row["id"])
 
     async def _drain(self) -> None:
         tasks = list(self._tasks)

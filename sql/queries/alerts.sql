@@ -137,8 +137,8 @@ WHERE event = 'run_failed' AND resolved_at IS NULL AND key = ANY(%(jobs)s::text[
 -- name: alert_append_runs
 UPDATE pgflow.incidents i
 SET runs = i.runs || x.runs, updated_at = now(),
-    summary = %(summary_prefix)s || (cardinality(i.runs) + cardinality(x.runs))::text
-              || ' dead letters in a row'
+    summary = 'job failing: ' || i.key || ', '
+              || (cardinality(i.runs) + cardinality(x.runs))::text || ' dead letters in a row'
 FROM jsonb_to_recordset(%(rows)s::jsonb) AS x(id bigint, runs bigint[])
 WHERE i.id = x.id AND i.resolved_at IS NULL
 
