@@ -4,6 +4,8 @@ alert secrets kept from jobs."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -13,6 +15,8 @@ import pytest
 from alerting import Receiver, apply_toml, incidents, notifications
 from engine import enqueue
 from procs import Conn, Replicas, pgflow, until, wait_for_leader, wait_state
+
+from pgflow import breakers
 
 FAST = {"PGFLOW_ALERTS_INTERVAL": "0.3", "PGFLOW_ALERTS_POLL": "0.2",
         "PGFLOW_ALERTS_BACKOFF": "0.2", "PGFLOW_ALERTS_NO_LEADER_EVERY": "0.5"}
@@ -137,23 +141,23 @@ def test_alert_secrets_are_kept_from_jobs(conn: Conn, replicas: Replicas, tmp_pa
     dump = tmp_path / "env.json"
     apply_toml(conn, tmp_path / "a.toml", f"""
 [alerts.signed]
-url_env = "ONCALL_URL"
+url_env = "PGFLOW_ALERT_ONCALL_URL"
 secret_env = "ONCALL_SECRET"
 
 [jobs.envdump]
 command = ["python", "-c", "import json, os; json.dump(dict(os.environ), open('{dump}', 'w'))"]
 """)
-    replicas.start("a", env={**FAST, "ONCALL_URL": receiver.url("/signed"),
+    replicas.start("a", env={**FAST, "PGFLOW_ALERT_ONCALL_URL": receiver.url("/signed"),
                              "ONCALL_SECRET": "k3y"})
     wait_for_leader(conn)
     run_id = enqueue(conn, "envdump", datetime.now(UTC))
     wait_state(conn, run_id, "succeeded")
     seen = json.loads(dump.read_text())
-    assert "ONCALL_URL" not in seen and "ONCALL_SECRET" not in seen
-    conn.execute("SELECT 1")
-    from pgflow import breakers
-
+    assert "PGFLOW_ALERT_ONCALL_URL" not in seen and "ONCALL_SECRET" not in seen
     breakers.open_breaker(conn, "crm", "test", "test")
     until(lambda: receiver.bodies("/signed") or None)
     request = next(r for r in receiver.requests if r["path"] == "/signed")
-    assert request["headers"]["X-Pgflow-Signature"].startswith("sha256=")
+    expected = hmac.new(b"k3y", request["raw"], hashlib.sha256).hexdigest()
+    assert request["headers"]["X-Pgflow-Signature"] == f"sha256={expected}"
+    # The URL is a secret: no replica log line names it.
+    assert receiver.url("/signed") not in (tmp_path / "replica-a.log").read_text()

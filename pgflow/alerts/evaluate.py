@@ -25,7 +25,9 @@ FAILURE_RATE = 0.20
 FAILURE_MIN_ATTEMPTS = 20
 FAILURE_WINDOW_S = 900.0
 # Runs that committed a finish this long after their finished_at are still seen.
-RUNS_SLACK_S = 60.0
+RUNS_SLACK_S = 15.0
+# backlog and failure_rate read a window of attempts and the waiting runs: every 30 s.
+CLUSTER_EVERY_S = knob("PGFLOW_ALERTS_CLUSTER_EVERY", 30.0)
 RUNS_BATCH = 5000
 DEADLINE_LOOKBACK_S = 86400.0
 BATCH = 1000
@@ -111,8 +113,9 @@ async def apply(conn: AsyncConnection[Any], transitions: list[Transition],
 
 
 async def run_once(conn: AsyncConnection[Any], *, public_url: str, lease_ttl: float,
-                   thresholds: Thresholds = Thresholds()) -> AlertPass:
-    """One evaluation pass in one transaction (on the leader's lock connection)."""
+                   thresholds: Thresholds = Thresholds(), cluster: bool = True) -> AlertPass:
+    """One evaluation pass in one transaction (on the leader's lock connection);
+    ``cluster``: include backlog and failure_rate."""
     links = Links(public_url)
     found = AlertPass()
     async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
@@ -122,7 +125,8 @@ async def run_once(conn: AsyncConnection[Any], *, public_url: str, lease_ttl: fl
         checked_at = await _streaks(cur, conn, cursor, links, found)
         last_transition = await _breakers(cur, conn, cursor["breaker_transition"], links, found)
         await _deadlines(cur, conn, links, found)
-        await _cluster(cur, conn, links, thresholds, found)
+        if cluster:
+            await _cluster(cur, conn, links, thresholds, found)
         await _lost_replicas(cur, conn, lease_ttl, links, found)
         await cur.execute(q("alert_save_cursor"), {"runs_checked_at": checked_at,
                                                    "breaker_transition": last_transition})
@@ -354,9 +358,12 @@ async def check_no_leader(conn: AsyncConnection[Any], *, public_url: str,
 class Schedule:
     """When the leader evaluates next (like the safety net's schedule in leader.py)."""
 
-    def __init__(self, interval: float = INTERVAL_S) -> None:
+    def __init__(self, interval: float = INTERVAL_S,
+                 cluster_every: float = CLUSTER_EVERY_S) -> None:
         self.interval = interval
+        self.cluster_every = cluster_every
         self._next = time.monotonic()
+        self._next_cluster = time.monotonic()
 
     def due(self) -> bool:
         return time.monotonic() >= self._next
@@ -364,8 +371,12 @@ class Schedule:
     async def run(self, conn: AsyncConnection[Any], *, public_url: str, lease_ttl: float,
                   log: Any) -> AlertPass:
         self._next = time.monotonic() + self.interval
+        cluster = time.monotonic() >= self._next_cluster
+        if cluster:
+            self._next_cluster = time.monotonic() + self.cluster_every
         try:
-            found = await run_once(conn, public_url=public_url, lease_ttl=lease_ttl)
+            found = await run_once(conn, public_url=public_url, lease_ttl=lease_ttl,
+                                   cluster=cluster)
         except (psycopg.OperationalError, psycopg.InterfaceError):
             raise  # the lock connection is gone: the leader's loop handles it
         except psycopg.Error as exc:

@@ -8,7 +8,8 @@ Python jobs (``os.environ``) nor commands (the supervisor's scrubbed environment
 see them. ``PGFLOW_*`` variables are scrubbed anyway. A variable first named by an
 alert applied later is removed when a sender first reads it; a command supervisor
 already running keeps its copy of the environment, so name such variables
-``PGFLOW_ALERT_...`` or restart the replicas after adding them.
+``PGFLOW_ALERT_...`` (kept for the senders when ``serve`` scrubs ``PGFLOW_*``) or
+restart the replicas after adding them.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import psycopg
 from pgflow import environment
 from pgflow.queries import q
 
+ALERT_PREFIX = "PGFLOW_ALERT_"
+# Only the alerts' own variables: never a copy of the whole environment (the database
+# URL), which Python jobs, running in this process, could read here.
 _PRIVATE: dict[str, str] = {}
 
 
 def capture(environ: Mapping[str, str], url: str | None = None) -> list[str]:
-    """Keep a private copy of ``environ``; with ``url``, remove from ``os.environ`` the
-    variables the alert definitions name. Returns the names removed."""
-    _PRIVATE.update(environ)
+    """Keep a private copy of the ``PGFLOW_ALERT_*`` variables of ``environ`` (``serve``
+    scrubs every ``PGFLOW_*`` next) and, with ``url``, move the variables the alert
+    definitions name out of ``os.environ`` into it. Returns the names removed."""
+    _PRIVATE.update({k: v for k, v in environ.items() if k.startswith(ALERT_PREFIX)})
     if url is None:
         return []
     try:
