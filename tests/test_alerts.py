@@ -364,3 +364,38 @@ def test_send_test_reports_what_the_receiver_answered(
     rows = {str(r["id"]): r for r in notifications(conn)}
     assert rows[ok.notification_id]["delivery"] == "delivered"
     assert rows[failed.notification_id]["delivery"] == "given_up"
+
+
+def test_many_notifications_to_a_hanging_receiver_leave_slots_for_the_others(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    apply_toml(conn, tmp_path / "a.toml",
+               _alert(receiver, "stuck", "/hang") + _alert(receiver, "fine", "/ok"))
+    receiver.hang.add("/hang")
+    for i in range(10):
+        breakers.open_breaker(conn, f"source{i}", "maintenance", "test")
+    assert evaluate_once(db_url).opened == {"breaker_opened": 10}
+    deliver(db_url, lambda: len(receiver.bodies("/ok")) == 10, in_flight=4, per_alert=2)
+    assert not receiver.release.is_set()
+    assert len(receiver.bodies("/hang")) == 2  # no more than its share was taken
+
+
+def test_retention_prunes_old_deliveries_and_resolved_incidents(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    from pgflow import retention
+
+    apply_toml(conn, tmp_path / "a.toml", _alert(receiver))
+    _open_breaker(conn, db_url)
+    breakers.close_breaker(conn, "crm", "done", "test")
+    evaluate_once(db_url)
+    _open_breaker(conn, db_url)  # a second incident, still firing
+    deliver(db_url, lambda: len(receiver.requests) >= 3)
+    breakers.open_breaker(conn, "erp", "down", "test")
+    assert evaluate_once(db_url).opened == {"breaker_opened": 1}  # its notification waits
+    conn.execute("UPDATE pgflow.notifications SET created_at = now() - interval '40 days'")
+    conn.execute("UPDATE pgflow.incidents SET opened_at = now() - interval '41 days',"
+                 " resolved_at = CASE WHEN resolved_at IS NOT NULL"
+                 " THEN now() - interval '40 days' END")
+    retention.run_once(conn, 30 * 86400.0)
+    assert [r["delivery"] for r in notifications(conn)] == ["pending"]
+    assert [(i["key"], i["resolved_at"]) for i in incidents(conn)] == [("crm", None),
+                                                                      ("erp", None)]

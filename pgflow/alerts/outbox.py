@@ -10,6 +10,7 @@ import contextlib
 import json
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ POLL_S = knob("PGFLOW_ALERTS_POLL", 1.0)  # how often a sender looks for due row
 BACKOFF_BASE_S = knob("PGFLOW_ALERTS_BACKOFF", 5.0)  # first retry within this, doubling
 BACKOFF_CAP_S = 3600.0
 IN_FLIGHT = 8  # requests one replica has open at once
+PER_ALERT = 2  # of which at most this many to one alert's receiver
 LEASE_S = webhook.TIMEOUT_S + 20.0  # a claimed row is retried by others after this
 NO_LEADER_EVERY_S = knob("PGFLOW_ALERTS_NO_LEADER_EVERY", 5.0)
 
@@ -78,6 +80,7 @@ class Sender:
 
     def __init__(self, url: str, *, public_url: str, lease_ttl: float, log: Any,
                  poll_s: float = POLL_S, in_flight: int = IN_FLIGHT,
+                 per_alert: int = PER_ALERT,
                  timeout: float = webhook.TIMEOUT_S, backoff_base_s: float = BACKOFF_BASE_S,
                  no_leader_every_s: float = NO_LEADER_EVERY_S) -> None:
         self.url = url
@@ -85,11 +88,12 @@ class Sender:
         self.lease_ttl = lease_ttl
         self.poll_s = poll_s
         self.in_flight = in_flight
+        self.per_alert = per_alert
         self.timeout = timeout
         self.backoff_base_s = backoff_base_s
         self.no_leader_every_s = no_leader_every_s
         self._log = log.bind(component="alerts")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], str] = {}  # request -> alert
         self._lock = asyncio.Lock()  # one statement at a time on the sender's connection
         self._next_leader_check = 0.0
 
@@ -126,14 +130,20 @@ class Sender:
         free = self.in_flight - len(self._tasks)
         if free <= 0:
             return 0
+        counts = Counter(self._tasks.values())
+        busy = sorted(alert for alert, n in counts.items() if n >= self.per_alert)
         async with self._lock, conn.cursor(row_factory=dict_row) as cur:
-            await cur.execute(q("notification_claim"), {"lease_s": LEASE_S, "limit": free})
+            await cur.execute(q("notification_claim"), {
+                "lease_s": LEASE_S, "limit": free, "per_alert": self.per_alert, "busy": busy})
             rows = await cur.fetchall()
         for row in rows:
             task = asyncio.create_task(self._deliver(conn, row))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[task] = row["alert"]
+            task.add_done_callback(self._forget)
         return len(rows)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
 
     async def _deliver(self, conn: AsyncConnection[Any], row: dict[str, Any]) -> None:
         try:

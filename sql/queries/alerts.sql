@@ -216,14 +216,29 @@ WHERE p.heartbeat_at < now() - make_interval(secs => %(dead_s)s)
 
 -- name: notification_claim
 -- Due pending notifications, pushed one lease ahead: a sender that dies mid-request
--- leaves them to be retried once the lease passed.
+-- leaves them to be retried once the lease passed. At most %(per_alert)s per alert, and
+-- none of the alerts in %(busy)s (already at that many requests on this replica): one
+-- receiver that hangs cannot take every slot.
+WITH due AS (
+    SELECT id, alert, next_attempt_at FROM pgflow.notifications
+    WHERE delivery = 'pending' AND next_attempt_at <= now()
+      AND NOT (alert = ANY(%(busy)s::text[]))
+    ORDER BY next_attempt_at
+    LIMIT 1000
+), ranked AS (
+    SELECT id, next_attempt_at,
+           row_number() OVER (PARTITION BY alert ORDER BY next_attempt_at) AS rank
+    FROM due
+), chosen AS (
+    SELECT n.id FROM pgflow.notifications n
+    WHERE n.id IN (SELECT id FROM ranked WHERE rank <= %(per_alert)s
+                   ORDER BY next_attempt_at LIMIT %(limit)s)
+      AND n.delivery = 'pending' AND n.next_attempt_at <= now()
+    FOR UPDATE SKIP LOCKED
+)
 UPDATE pgflow.notifications n
 SET next_attempt_at = now() + make_interval(secs => %(lease_s)s), attempts = n.attempts + 1
-FROM (SELECT id FROM pgflow.notifications
-      WHERE delivery = 'pending' AND next_attempt_at <= now()
-      ORDER BY next_attempt_at
-      LIMIT %(limit)s
-      FOR UPDATE SKIP LOCKED) c
+FROM chosen c
 WHERE n.id = c.id
 RETURNING n.id::text AS id, n.alert, n.event, n.status, n.payload, n.attempts,
           (SELECT row_to_json(a)::jsonb FROM
