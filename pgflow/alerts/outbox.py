@@ -95,7 +95,9 @@ class Sender:
         self._log = log.bind(component="alerts")
         self._tasks: dict[asyncio.Task[None], str] = {}  # request -> alert
         self._lock = asyncio.Lock()  # one statement at a time on the sender's connection
-        self._next_leader_check = 0.0
+        # A replica judges no_leader only once it has itself waited twice the lease TTL:
+        # a cluster (re)starting gets its time to elect before anyone pages.
+        self._next_leader_check = time.monotonic() + 2 * lease_ttl
 
     async def run(self, stop: asyncio.Event) -> None:
         failures = 0

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 TIMEOUT_S = 10.0
 MAX_ANSWER = 64 * 1024
+BODY_WAIT_S = 2.0
 USER_AGENT = "pgflow-alerts/1"
 SIGNATURE_HEADER = "X-Pgflow-Signature"
 _FIELDS = ("id", "event", "status", "at", "summary", "url", "job", "tenant", "run_id",
@@ -123,7 +124,11 @@ async def _post(url: str, raw: bytes, extra: dict[str, str]) -> Answer:
             if name.strip().lower() == "content-length" and value.strip().isdigit():
                 length = int(value.strip())
         want = MAX_ANSWER if length is None else min(length, MAX_ANSWER)
-        answer = await reader.read(want) if want else b""
+        answer = b""
+        # The status is the answer; the body is only shown to operators, so a receiver
+        # that keeps the connection open after its headers does not turn it into a timeout.
+        with contextlib.suppress(TimeoutError):
+            answer = await asyncio.wait_for(reader.read(want), BODY_WAIT_S) if want else b""
         return Answer(int(fields[1]), None, answer.decode("utf-8", errors="replace"))
     finally:
         writer.close()
