@@ -250,6 +250,7 @@ def list_tenants(call: Call) -> tuple[int, BaseModel]:
 def get_status(call: Call) -> tuple[int, BaseModel]:
     report = status.cluster_status(call.conn, call.state.settings.lease_ttl)
     report["open_breakers"] = breakers.open_sources(call.conn)
+    report["incidents_firing"] = outbox.firing(call.conn)["firing"]
     return 200, Status.model_validate(report)
 
 

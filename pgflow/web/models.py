@@ -295,6 +295,7 @@ class Status(_Out):
     leader: Leader | None
     queue: Queue
     open_breakers: list[str]
+    incidents_firing: int = Field(default=0, description="Alert incidents firing now.")
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange)

@@ -42,6 +42,8 @@ def test_api_lists_incidents_definitions_and_deliveries(
     assert active["event"] == "breaker_opened" and active["source"] == "warehouse"
     assert active["resolved_at"] is None and "maintenance window" in active["summary"]
     assert [a["name"] for a in body["alerts"]] == ["oncall"]
+    status = client.get("/api/v1/status", headers=as_role["viewer"]).json()
+    assert status["incidents_firing"] == 1
     [delivery] = body["deliveries"]
     assert (delivery["alert"], delivery["event"], delivery["status"], delivery["delivery"]) == (
         "oncall", "breaker_opened", "firing", "pending")
