@@ -135,12 +135,17 @@ SELECT key AS job, id, runs FROM pgflow.incidents
 WHERE event = 'run_failed' AND resolved_at IS NULL AND key = ANY(%(jobs)s::text[])
 
 -- name: alert_append_runs
+-- More dead letters of a streak join its incident (a run retried by an operator that
+-- fails again is listed once).
 UPDATE pgflow.incidents i
-SET runs = i.runs || x.runs, updated_at = now(),
+SET runs = i.runs || n.runs, updated_at = now(),
     summary = 'job failing: ' || i.key || ', '
-              || (cardinality(i.runs) + cardinality(x.runs))::text || ' dead letters in a row'
-FROM jsonb_to_recordset(%(rows)s::jsonb) AS x(id bigint, runs bigint[])
-WHERE i.id = x.id AND i.resolved_at IS NULL
+              || (cardinality(i.runs) + cardinality(n.runs))::text || ' dead letters in a row'
+FROM (SELECT x.id, ARRAY(SELECT r FROM unnest(x.runs) r
+                         WHERE NOT r = ANY(o.runs)) AS runs
+      FROM jsonb_to_recordset(%(rows)s::jsonb) AS x(id bigint, runs bigint[])
+      JOIN pgflow.incidents o ON o.id = x.id) n
+WHERE i.id = n.id AND i.resolved_at IS NULL AND cardinality(n.runs) > 0
 
 -- name: alert_save_streaks
 INSERT INTO pgflow.alert_job_streaks AS s (job, last_run_id, last_finished_at)

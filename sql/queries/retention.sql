@@ -167,5 +167,12 @@ WITH notes AS (
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED)
     RETURNING i.id
+), streaks AS (  -- the streak marks of jobs deleted long ago
+    DELETE FROM pgflow.alert_job_streaks s
+    WHERE s.last_finished_at < coalesce(%(now)s::timestamptz, now())
+                               - make_interval(secs => %(retention_s)s)
+      AND NOT EXISTS (SELECT 1 FROM pgflow.jobs j WHERE j.name = s.job)
+    RETURNING s.job
 )
-SELECT (SELECT count(*) FROM notes) AS notifications, (SELECT count(*) FROM incidents) AS incidents
+SELECT (SELECT count(*) FROM notes) AS notifications, (SELECT count(*) FROM incidents) AS incidents,
+       (SELECT count(*) FROM streaks) AS streaks

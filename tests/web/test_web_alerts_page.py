@@ -118,5 +118,8 @@ def test_banner_on_every_page_and_the_alerts_page_in_a_browser(
             assert firing_rows.count() == 1
             assert "oncall" in page.locator("#alert-definitions").inner_text()
             assert page.locator("#deliveries tr[data-delivery=pending]").count() == 1
+            artifacts = Path(__file__).resolve().parents[2] / "test-artifacts"
+            artifacts.mkdir(exist_ok=True)
+            page.screenshot(path=str(artifacts / "alerts.png"), full_page=True)
         finally:
             browser.close()
