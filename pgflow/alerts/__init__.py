@@ -47,6 +47,14 @@ transitions no-ops. ``no_leader`` is judged by every replica (the leader may be
 the thing that is gone), which is exactly why it needs the index: many replicas
 try the insert, one wins.
 
+Cost. A pass reads indexed slices only: runs finished since the cursor
+(``runs_finished_idx``), recent ticks of the jobs that have a ``deadline`` (the
+runs' ``(job, logical_time)`` key), the breaker log after its cursor, open
+incidents (``incidents_firing_idx``), silent replicas; ``backlog`` and
+``failure_rate`` (the waiting runs, 15 min of attempts) every 30 s only. Timings
+are module constants; tests shorten them with ``PGFLOW_ALERTS_*`` variables read
+at import (internal, not settings).
+
 Delivery (``outbox``). Any replica claims due rows with ``FOR UPDATE SKIP
 LOCKED`` and pushes their ``next_attempt_at`` one lease ahead in the claiming
 statement, so a sender that dies mid-request leaves a row that another retries.
