@@ -399,3 +399,78 @@ def test_retention_prunes_old_deliveries_and_resolved_incidents(
     assert [r["delivery"] for r in notifications(conn)] == ["pending"]
     assert [(i["key"], i["resolved_at"]) for i in incidents(conn)] == [("crm", None),
                                                                       ("erp", None)]
+
+
+def test_evaluators_racing_each_other_fire_each_transition_once(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    apply_toml(conn, tmp_path / "a.toml", _alert(receiver) + """
+[jobs.load]
+entrypoint = "jobfuncs:fail"
+retry = { max_attempts = 1 }
+""")
+    worker = WorkerThread(db_url)
+    try:
+        for i in range(3):
+            _finish(conn, "load", {}, i)
+    finally:
+        worker.stop()
+    breakers.open_breaker(conn, "crm", "maintenance", "test")
+
+    async def race() -> list[evaluate.AlertPass]:
+        conns = [await connect_async(db_url, f"evaluator-{i}") for i in range(3)]
+        try:
+            return await asyncio.gather(*(evaluate.run_once(
+                c, public_url=PUBLIC, lease_ttl=30.0) for c in conns))
+        finally:
+            for c in conns:
+                await c.close()
+
+    passes = asyncio.run(race())
+    assert sum(p.changed for p in passes) == 2
+    assert sorted(e for p in passes for e in p.opened) == ["breaker_opened", "run_failed"]
+    assert [(r["event"], r["status"]) for r in notifications(conn)] == [
+        ("breaker_opened", "firing"), ("run_failed", "firing")]
+    [incident] = incidents(conn, "run_failed")
+    assert len(incident["runs"]) == 3
+
+
+def test_two_senders_deliver_every_notification_once(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    apply_toml(conn, tmp_path / "a.toml", _alert(receiver, "a", "/a") + _alert(receiver, "b", "/b"))
+    for i in range(10):
+        breakers.open_breaker(conn, f"source{i}", "maintenance", "test")
+    assert evaluate_once(db_url).notifications == 20
+
+    def pending() -> bool:
+        return not conn.execute("SELECT 1 FROM pgflow.notifications"
+                                " WHERE delivery = 'pending'").fetchone()
+
+    import threading
+
+    other = threading.Thread(target=deliver, args=(db_url, pending))
+    other.start()
+    deliver(db_url, pending)
+    other.join(30)
+    ids = [b["id"] for b in receiver.bodies("/a") + receiver.bodies("/b")]
+    assert len(ids) == 20 and len(set(ids)) == 20
+
+
+def test_a_late_result_from_a_sender_whose_lease_passed_changes_nothing(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    from pgflow.queries import q
+
+    apply_toml(conn, tmp_path / "a.toml", _alert(receiver))
+    _open_breaker(conn, db_url)
+    claim = {"lease_s": 30, "limit": 10, "per_alert": 2, "busy": []}
+    [first] = conn.execute(q("notification_claim"), claim).fetchall()
+    conn.execute("UPDATE pgflow.notifications SET next_attempt_at = now()")  # lease passed
+    [second] = conn.execute(q("notification_claim"), claim).fetchall()
+    assert (first["id"], first["attempts"], second["attempts"]) == (second["id"], 1, 2)
+    done = conn.execute(q("notification_delivered"), {
+        "id": second["id"], "attempts": 2, "status": 200}).fetchall()
+    late = conn.execute(q("notification_failed"), {
+        "id": first["id"], "attempts": 1, "status": 500, "error": "late", "delay_s": 1,
+        "give_up": False}).fetchall()
+    assert len(done) == 1 and late == []
+    [row] = notifications(conn)
+    assert row["delivery"] == "delivered" and row["last_error"] is None
