@@ -82,8 +82,9 @@ class Sender:
                  poll_s: float = POLL_S, in_flight: int = IN_FLIGHT,
                  per_alert: int = PER_ALERT,
                  timeout: float = webhook.TIMEOUT_S, backoff_base_s: float = BACKOFF_BASE_S,
-                 no_leader_every_s: float = NO_LEADER_EVERY_S) -> None:
+                 no_leader_every_s: float = NO_LEADER_EVERY_S, pooled: bool = False) -> None:
         self.url = url
+        self.pooled = pooled  # url is a transaction-mode PgBouncer (pgflow/pooler.py)
         self.public_url = public_url
         self.lease_ttl = lease_ttl
         self.poll_s = poll_s
@@ -103,7 +104,7 @@ class Sender:
         failures = 0
         while not stop.is_set():
             try:
-                async with await connect_async(self.url, "alerts") as conn:
+                async with await connect_async(self.url, "alerts", pooled=self.pooled) as conn:
                     while not stop.is_set():
                         await self.run_once(conn)
                         failures = 0
@@ -186,9 +187,10 @@ class Sender:
 
 
 async def run_sender(url: str, *, public_url: str, lease_ttl: float, stop: asyncio.Event,
-                     log: Any) -> None:
+                     log: Any, pooled: bool = False) -> None:
     """The alert sender of ``pgflow serve`` (every replica): runs until ``stop``."""
-    await Sender(url, public_url=public_url, lease_ttl=lease_ttl, log=log).run(stop)
+    await Sender(url, public_url=public_url, lease_ttl=lease_ttl, log=log,
+                 pooled=pooled).run(stop)
 
 
 # ---------------------------------------------------------------- test sends, listings
