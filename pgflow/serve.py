@@ -93,7 +93,8 @@ def hide_secrets(options: ServeOptions) -> ServeOptions:
     url = environment.pin_libpq(options.url, os.environ)
     pooler = options.pooler_url and environment.pin_libpq(options.pooler_url, os.environ)
     key = {k: os.environ[k] for k in ("PGFLOW_SECRET_KEY",) if k in os.environ}
-    alert_secrets.capture(os.environ, url)  # url_env/secret_env of [alerts]: senders only
+    # url_env/secret_env of [alerts]: for the senders only
+    alert_secrets.capture(os.environ, pooler or url, pooled=bool(pooler))
     environment.scrub(os.environ)
     return replace(options, url=url, pooler_url=pooler or None,
                    secret_env={**key, **options.secret_env})

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Mapping
 
 import psycopg
 
-from pgflow import environment
+from pgflow import db, environment
+from pgflow.errors import DatabaseUnavailable
 from pgflow.queries import q
 
 ALERT_PREFIX = "PGFLOW_ALERT_"
@@ -28,7 +29,8 @@ ALERT_PREFIX = "PGFLOW_ALERT_"
 _PRIVATE: dict[str, str] = {}
 
 
-def capture(environ: Mapping[str, str], url: str | None = None) -> list[str]:
+def capture(environ: Mapping[str, str], url: str | None = None, *,
+            pooled: bool = False) -> list[str]:
     """Keep a private copy of the ``PGFLOW_ALERT_*`` variables of ``environ`` (``serve``
     scrubs every ``PGFLOW_*`` next) and, with ``url``, move the variables the alert
     definitions name out of ``os.environ`` into it. Returns the names removed."""
@@ -36,9 +38,9 @@ def capture(environ: Mapping[str, str], url: str | None = None) -> list[str]:
     if url is None:
         return []
     try:
-        with psycopg.connect(url, connect_timeout=5, autocommit=True) as conn:
-            names = [row[0] for row in conn.execute(q("alert_env_names"))]
-    except psycopg.Error:
+        with db.connect(url, pooled=pooled, application_name="pgflow-serve") as conn:
+            names = [row["name"] for row in conn.execute(q("alert_env_names"))]
+    except (psycopg.Error, DatabaseUnavailable):
         return []  # database not there yet (or not migrated): names are hidden when read
     return hide(names)
 
