@@ -73,7 +73,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
-from pgflow import backfill, retention, safety_net
+from pgflow import backfill, datasets, retention, safety_net
 from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
 from pgflow.queries import q
@@ -226,6 +226,11 @@ class Leadership:
             while not stop.is_set():
                 result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 self._report(result)
+                # Dataset-triggered runs, consumed in the same way (datasets.py).
+                fired = await datasets.consume(conn, before_pass=lambda: self._heartbeat(conn))
+                if fired.runs:
+                    self._log.info("dataset-triggered runs", runs=len(fired.runs),
+                                   events=fired.events)
                 await self._heartbeat(conn)
                 released = await backfill.release(conn)
                 if released:
@@ -234,7 +239,7 @@ class Leadership:
                     await net.run(conn, self.lease_ttl, self._log)
                 if pruner.due():
                     await pruner.run(conn, self._log)
-                if not result.more and not pruner.behind:  # a prune backlog: go on
+                if not result.more and not pruner.behind and not fired.more:  # backlog: go on
                     await self._wait_for_work(conn, stop, result)
         except _LostLeadership:
             self._log.warning("scheduler leadership lost: another replica's term is current",

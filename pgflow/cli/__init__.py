@@ -13,6 +13,7 @@ from pgflow.cli import (
     apply,
     backfill,
     breakers,
+    datasets,
     db,
     jobs,
     runs,
@@ -27,6 +28,8 @@ from pgflow.cli._base import cli, main, run
 cli.add_command(apply.apply_command)
 cli.add_command(backfill.backfill_command)
 cli.add_command(breakers.breakers_group)
+cli.add_command(datasets.datasets_group)
+cli.add_command(datasets.emit_command)
 cli.add_command(db.db_group)
 cli.add_command(jobs.jobs_group)
 cli.add_command(runs.runs_group)
