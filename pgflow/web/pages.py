@@ -20,7 +20,7 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from pgflow import backfill, breakers, lineage, policies, runs, status
+from pgflow import backfill, breakers, datasets, lineage, policies, runs, status
 from pgflow.cron import CronError, load_timezone, parse_cron
 from pgflow.errors import InvalidInput, NotFound
 from pgflow.queries import q
@@ -311,7 +311,10 @@ def run_page(request: Request) -> Response:
         now = conn.execute(q("web_now")).fetchone()["now"]  # type: ignore[index]
         spans = [svg.Span(f"attempt {a['attempt']}", a["started_at"], a["finished_at"],
                           a["outcome"]) for a in attempts if a["started_at"] is not None]
+        events, event_count = (datasets.run_events(conn, run_id) if run["trigger"] == "dataset"
+                               else ([], 0))
         return {"title": f"Run {run_id}", "run": run, "attempts": attempts,
+                "trigger_events": events, "trigger_event_count": event_count,
                 "timeline_svg": svg.attempt_timeline(spans, now, f"Attempts of run {run_id}"),
                 "params": json.dumps(run["params"], indent=2, sort_keys=True),
                 "active": run["state"] in ACTIVE}
