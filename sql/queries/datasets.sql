@@ -176,3 +176,32 @@ LEFT JOIN (SELECT dataset, count(*) AS recorded FROM pgflow.dataset_events
 LEFT JOIN (SELECT dataset, count(*) AS waiting FROM pgflow.dataset_deliveries
            WHERE run_id IS NULL GROUP BY dataset) w ON w.dataset = d.dataset
 ORDER BY d.dataset
+
+-- name: prune_dataset_events
+-- Retention (pgflow/retention.py): events recorded before the cutoff that no job waits
+-- for any more, at most %(limit)s. An event stays while a job still waits for it, and
+-- while a run that consumed it may still run (unfinished, or a dead letter an operator
+-- may retry: its command reads the events again). Deliveries go with their event.
+-- Waiting deliveries for a job that no longer triggers on their dataset (deleted, or
+-- redefined by plain SQL) are dropped first; their events go in a later pass.
+WITH orphans AS (
+    DELETE FROM pgflow.dataset_deliveries d
+    WHERE d.run_id IS NULL
+      AND NOT EXISTS (SELECT 1 FROM pgflow.jobs j
+                      WHERE j.name = d.job AND d.dataset = ANY(j.trigger_on))
+), doomed AS (
+    SELECT e.id FROM pgflow.dataset_events e
+    WHERE e.created_at < coalesce(%(now)s::timestamptz, now())
+                         - make_interval(secs => %(retention_s)s)
+      AND NOT EXISTS (
+          SELECT 1 FROM pgflow.dataset_deliveries d
+          LEFT JOIN pgflow.runs r ON r.id = d.run_id
+          WHERE d.event_id = e.id
+            AND (d.run_id IS NULL OR r.finished_at IS NULL
+                 OR (r.state = 'failed' AND r.acked_at IS NULL)))
+    ORDER BY e.created_at, e.id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM pgflow.dataset_events e USING doomed WHERE e.id = doomed.id
+RETURNING e.id
