@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 from engine import WorkerThread, add_job, enqueue, wait_for
-from procs import Replicas, pgflow
+from procs import Replicas, pgflow, scalar, wait_for_leader
 
 from pgflow import datasets, queue, registry, retention
 from pgflow.errors import InvalidInput
@@ -437,7 +437,7 @@ def test_a_storm_of_emits_while_every_replica_is_killed_twice(
     seen.mkdir()
     # Each attempt writes what it saw to a file named by run and attempt (atomically).
     record = (f'f={seen}/$PGFLOW_RUN_ID.$PGFLOW_ATTEMPT; printf %s "$PGFLOW_TRIGGER_EVENTS"'
-              ' > $f.tmp && mv $f.tmp $f.json; sleep 0.2')
+              ' > $f.tmp && mv $f.tmp $f.json; sleep 0.3')
     registry.apply(conn, [spec("report", command=record, trigger_on=["orders"],
                                trigger_mode="any", retry={"max_attempts": 10, "backoff": 0.1,
                                                           "max_backoff": 0.1, "jitter": False}),
@@ -447,19 +447,21 @@ def test_a_storm_of_emits_while_every_replica_is_killed_twice(
     replicas = Replicas(db_url, tmp_path)
     try:
         live = [replicas.start("a"), replicas.start("b")]
+        wait_for_leader(conn, among=live)
         emitted: list[int] = []
         rng = random.Random(13)
-        kills = 0
         for n in range(40):
             dataset = "stock" if n % 5 == 4 else "orders"
             emitted.append(datasets.emit(conn, dataset, key=f"e{n}", payload={"n": n}).event["id"])
-            if n % 10 == 9:  # SIGKILL every replica (twice over the storm), start new ones
+            if n in (13, 27):  # SIGKILL both replicas while a consumer runs, start them again
+                wait_for(lambda: scalar(conn, "SELECT count(*) FROM pgflow.runs WHERE"
+                                              " trigger = 'dataset' AND state = 'running'"))
                 for replica in live:
                     replica.kill9()
-                kills += 1
-                live = [replicas.start(f"r{n}-{i}") for i in range(2)]
-            time.sleep(rng.uniform(0, 0.05))
-        assert kills == 4  # four rounds: every replica of the first two rounds killed
+                live = [replicas.start(f"{name}{n}") for name in ("a", "b")]
+                if n == 13:
+                    wait_for_leader(conn, among=live)  # the second kill hits working replicas
+            time.sleep(rng.uniform(0.02, 0.12))
 
         def settled() -> bool:
             row = conn.execute(
@@ -476,6 +478,9 @@ def test_a_storm_of_emits_while_every_replica_is_killed_twice(
         by_run: dict[int, set[int]] = {}
         for run in dataset_runs(conn, job):
             by_run[run["id"]] = set(consumed(conn, run["id"]))
+            newest = conn.execute("SELECT max(created_at) AS t FROM pgflow.dataset_events"
+                                  " WHERE id = ANY(%s)", (list(by_run[run["id"]]),)).fetchone()
+            assert newest is not None and run["logical_time"] == newest["t"]
         all_ids = [i for ids in by_run.values() for i in ids]
         assert sorted(all_ids) == sorted(wanted), job  # each exactly once
         for run_id, ids in by_run.items():
