@@ -122,6 +122,7 @@ class Metrics:
                          1.0 if row is not None else 0.0)
             if row is not None:
                 yield from _gauges(row, self._lease_ttl)
+                yield from _dataset_gauges(row["datasets"])
             yield from self._counters()
             errors = CounterMetricFamily("pgflow_metrics_scrape_errors",
                                          "Scrapes that could not read the database.")
@@ -140,6 +141,7 @@ class Metrics:
             # Breakers: state per source, transitions (cluster-wide, from their log).
             states = conn.execute(q("breaker_states")).fetchall()
             moves = conn.execute(q("breaker_transition_counts")).fetchall()
+            datasets = conn.execute(q("dataset_metrics")).fetchall()  # pgflow/datasets.py
             row = conn.execute(q("metrics_scrape"), {
                 "since": self._since, "settle": self._settle_s,
                 "alive_s": ALIVE_TTLS * self._lease_ttl,
@@ -151,6 +153,7 @@ class Metrics:
         row["demand"] = demand
         row["breaker_states"] = states
         row["breaker_moves"] = moves
+        row["datasets"] = datasets
         for f in row["finished"]:
             self._finished[(f["job"], f["tenant"], f["outcome"])] += f["n"]
         for a in row["attempts"]:
@@ -275,3 +278,19 @@ def _demand_gauges(demand: dict[str, Any]) -> Iterator[Metric]:
     yield _gauge("pgflow_worker_demand_oldest_claimable_age_seconds",
                  "How long the oldest claimable run has waited (0 when none waits).",
                  float(demand["oldest_claimable_age_s"]))
+
+
+def _dataset_gauges(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    stored = GaugeMetricFamily("pgflow_dataset_events",
+                               "Dataset events recorded and not yet removed by retention.",
+                               labels=["dataset"])
+    waiting = GaugeMetricFamily("pgflow_dataset_events_waiting",
+                                "Dataset events a consuming job has not consumed yet.",
+                                labels=["dataset", "job"])
+    for row in rows:
+        if row["job"] is None:
+            stored.add_metric([row["dataset"]], float(row["n"]))
+        else:
+            waiting.add_metric([row["dataset"], row["job"]], float(row["n"]))
+    yield stored
+    yield waiting

@@ -198,15 +198,23 @@ def _next_fires(job: dict[str, Any], count: int = 5) -> list[datetime]:
 
 
 def _lineage_nodes(conn: Conn, name: str) -> tuple[list[svg.Node], list[tuple[str, str]], int]:
-    graph = lineage.lineage(conn, name)
+    graph = lineage.with_datasets(conn, lineage.lineage(conn, name))
     nodes = sorted(graph["nodes"], key=lambda n: (abs(n["depth"]), n["job"]))
     shown = nodes[:LINEAGE_MAX_NODES]
     names = {n["job"] for n in shown}
     edges = [(e["upstream"], e["job"]) for e in graph["edges"]
              if e["upstream"] in names and e["job"] in names]
-    drawn = [svg.Node(n["job"], n["depth"], n["state"], "/jobs/" + _seg(n["job"]),
-                      f" (run {n['run_id']})" if n["run_id"] else "") for n in shown]
+    drawn = [_lineage_node(n) for n in shown]
     return drawn, edges, len(nodes) - len(shown)
+
+
+def _lineage_node(node: dict[str, Any]) -> svg.Node:
+    if node["kind"] == "dataset":
+        dataset = node["job"].removeprefix(lineage.DATASET_PREFIX)
+        return svg.Node(node["job"], node["depth"], None, "/datasets?dataset=" + _seg(dataset),
+                        kind="dataset")
+    return svg.Node(node["job"], node["depth"], node["state"], "/jobs/" + _seg(node["job"]),
+                    f" (run {node['run_id']})" if node["run_id"] else "")
 
 
 def _seg(text: str) -> str:

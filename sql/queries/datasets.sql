@@ -166,16 +166,13 @@ ORDER BY e.id DESC
 LIMIT %(limit)s
 
 -- name: dataset_metrics
--- /metrics: events recorded and events waiting, by dataset.
-SELECT d.dataset, coalesce(r.recorded, 0) AS recorded, coalesce(w.waiting, 0) AS waiting
-FROM (SELECT DISTINCT dataset FROM pgflow.dataset_deliveries WHERE run_id IS NULL
-      UNION SELECT unnest(produces) FROM pgflow.jobs WHERE produces <> '{}'
-      UNION SELECT unnest(trigger_on) FROM pgflow.jobs WHERE trigger_on <> '{}') d
-LEFT JOIN (SELECT dataset, count(*) AS recorded FROM pgflow.dataset_events
-           GROUP BY dataset) r ON r.dataset = d.dataset
-LEFT JOIN (SELECT dataset, count(*) AS waiting FROM pgflow.dataset_deliveries
-           WHERE run_id IS NULL GROUP BY dataset) w ON w.dataset = d.dataset
-ORDER BY d.dataset
+-- /metrics: events stored by dataset (recorded, not yet removed by retention), and events
+-- waiting by dataset and consuming job (dataset_deliveries_waiting_idx).
+SELECT dataset, NULL::text AS job, count(*) AS n FROM pgflow.dataset_events GROUP BY dataset
+UNION ALL
+SELECT dataset, job, count(*) FROM pgflow.dataset_deliveries WHERE run_id IS NULL
+GROUP BY dataset, job
+ORDER BY 1, 2
 
 -- name: prune_dataset_events
 -- Retention (pgflow/retention.py): events recorded before the cutoff that no job waits
@@ -205,3 +202,36 @@ WITH orphans AS (
 )
 DELETE FROM pgflow.dataset_events e USING doomed WHERE e.id = doomed.id
 RETURNING e.id
+
+-- name: lineage_datasets
+-- Datasets around a job's lineage (pgflow/lineage.py): what each job of the graph
+-- %(jobs)s produces and triggers on, the producers of what %(job)s triggers on and the
+-- consumers of what it produces, each job with its latest run.
+WITH own AS (
+    SELECT produces, trigger_on FROM pgflow.jobs WHERE name = %(job)s
+), links AS (
+    SELECT j.name AS job, d.dataset, 'produces' AS role
+    FROM pgflow.jobs j CROSS JOIN LATERAL unnest(j.produces) AS d(dataset)
+    WHERE j.name = ANY(%(jobs)s::text[]) AND j.produces <> '{}'
+    UNION
+    SELECT j.name, d.dataset, 'trigger_on'
+    FROM pgflow.jobs j CROSS JOIN LATERAL unnest(j.trigger_on) AS d(dataset)
+    WHERE j.name = ANY(%(jobs)s::text[]) AND j.trigger_on <> '{}'
+    UNION
+    SELECT j.name, d.dataset, 'produces'
+    FROM pgflow.jobs j CROSS JOIN LATERAL unnest(j.produces) AS d(dataset)
+    WHERE j.produces && (SELECT trigger_on FROM own) AND j.produces <> '{}'
+      AND d.dataset = ANY((SELECT trigger_on FROM own))
+    UNION
+    SELECT j.name, d.dataset, 'trigger_on'
+    FROM pgflow.jobs j CROSS JOIN LATERAL unnest(j.trigger_on) AS d(dataset)
+    WHERE j.trigger_on && (SELECT produces FROM own) AND j.trigger_on <> '{}'
+      AND d.dataset = ANY((SELECT produces FROM own))
+)
+SELECT l.job, l.dataset, l.role, latest.id AS run_id, latest.state
+FROM links l
+LEFT JOIN LATERAL (
+    SELECT id, state FROM pgflow.runs r WHERE r.job = l.job ORDER BY r.id DESC LIMIT 1
+) latest ON true
+ORDER BY l.dataset, l.role, l.job
+LIMIT 500
