@@ -219,14 +219,14 @@ WITH own AS (
     WHERE j.name = ANY(%(jobs)s::text[]) AND j.trigger_on <> '{}'
     UNION
     SELECT j.name, d.dataset, 'produces'
-    FROM pgflow.jobs j CROSS JOIN LATERAL unnest(j.produces) AS d(dataset)
-    WHERE j.produces && (SELECT trigger_on FROM own) AND j.produces <> '{}'
-      AND d.dataset = ANY((SELECT trigger_on FROM own))
+    FROM own CROSS JOIN pgflow.jobs j CROSS JOIN LATERAL unnest(j.produces) AS d(dataset)
+    WHERE j.produces && own.trigger_on AND j.produces <> '{}'
+      AND d.dataset = ANY(own.trigger_on)
     UNION
     SELECT j.name, d.dataset, 'trigger_on'
-    FROM pgflow.jobs j CROSS JOIN LATERAL unnest(j.trigger_on) AS d(dataset)
-    WHERE j.trigger_on && (SELECT produces FROM own) AND j.trigger_on <> '{}'
-      AND d.dataset = ANY((SELECT produces FROM own))
+    FROM own CROSS JOIN pgflow.jobs j CROSS JOIN LATERAL unnest(j.trigger_on) AS d(dataset)
+    WHERE j.trigger_on && own.produces AND j.trigger_on <> '{}'
+      AND d.dataset = ANY(own.produces)
 )
 SELECT l.job, l.dataset, l.role, latest.id AS run_id, latest.state
 FROM links l
