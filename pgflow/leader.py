@@ -224,13 +224,14 @@ class Leadership:
         pruner = retention.Pruner(self.retention_s, replica_id=self.replica_id)
         try:
             while not stop.is_set():
-                result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
-                self._report(result)
-                # Dataset-triggered runs, consumed in the same way (datasets.py).
+                # Dataset-triggered runs first: an event's NOTIFY is what woke us, most
+                # likely (datasets.py); then cron ticks.
                 fired = await datasets.consume(conn, before_pass=lambda: self._heartbeat(conn))
                 if fired.runs:
                     self._log.info("dataset-triggered runs", runs=len(fired.runs),
                                    events=fired.events)
+                result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
+                self._report(result)
                 await self._heartbeat(conn)
                 released = await backfill.release(conn)
                 if released:

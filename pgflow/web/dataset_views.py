@@ -66,6 +66,10 @@ class DatasetList(_Out):
     items: list[Dataset]
 
 
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (EmitRequest,)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (DatasetEvent, DatasetList)
+
+
 def list_datasets(call: Call) -> tuple[int, BaseModel]:
     rows = datasets.overview(call.conn)
     return 200, DatasetList(items=[Dataset.model_validate(row) for row in rows])
