@@ -237,11 +237,11 @@ async def _one_pass(conn: AsyncConnection[Any], batch: int, cap: int,
                     result: ConsumePass) -> bool:
     async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(q("ready_consumers"), {"batch": batch})
-        ready = [row["job"] for row in await cur.fetchall()]
+        ready = await cur.fetchall()
         if not ready:
             return False
-        await cur.execute(q("lock_consumers"), {"jobs": ready})
-        jobs = {row["name"]: row for row in await cur.fetchall() if not row["paused"]}
+        # Read again as locked: paused meanwhile, or redefined (checked once more below).
+        jobs = {row["name"]: row for row in ready if not row["paused"]}
         await cur.execute(q("waiting_events"), {"jobs": list(jobs), "cap": cap})
         waiting: dict[str, list[dict[str, Any]]] = {}
         for row in await cur.fetchall():

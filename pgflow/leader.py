@@ -12,7 +12,9 @@ lock itself decides who leads. The winner records itself in the singleton row
 ``pgflow.leader``: replica id, the lock session's ``pg_backend_pid()``, a term
 one higher than the previous one, and a heartbeat.
 
-Leading. The leader loops: ``scheduler.run_once``, which heartbeats (an UPDATE
+Leading. The leader loops: ``datasets.consume`` (dataset-triggered runs, the same
+shape: bounded passes on the lock connection, a heartbeat before each; it is woken
+by NOTIFY ``pgflow_datasets``), ``scheduler.run_once``, which heartbeats (an UPDATE
 guarded by replica id *and* term: no row back means the row was taken over and
 it stops at once) before each of its passes, each pass one bounded
 transaction; a heartbeat, the backfill release and, every few seconds, the

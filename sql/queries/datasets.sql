@@ -34,10 +34,12 @@ FROM pgflow.dataset_events e
 WHERE dataset = %(dataset)s AND key = %(key)s
 
 -- name: ready_consumers
--- Consuming jobs whose condition holds over their waiting events: the (job, dataset)
--- pairs with a waiting delivery come from a skip scan of dataset_deliveries_waiting_idx
--- (one probe per pair, whatever the backlog), a job whose previous dataset run is not
--- finished waits (runs_dataset_active_idx), a paused job keeps its events.
+-- Consuming jobs whose condition holds over their waiting events, locked until the pass
+-- commits: whoever holds a job's row is the only one consuming its events (a second
+-- scheduler skips it). The (job, dataset) pairs with a waiting delivery come from a skip
+-- scan of dataset_deliveries_waiting_idx (one probe per pair, whatever the backlog); a
+-- job whose previous dataset run is not finished waits (runs_dataset_active_idx); a
+-- paused job keeps its events.
 WITH RECURSIVE pairs(job, dataset) AS (
     (SELECT job, dataset FROM pgflow.dataset_deliveries
      WHERE run_id IS NULL ORDER BY job, dataset LIMIT 1)
@@ -50,26 +52,24 @@ WITH RECURSIVE pairs(job, dataset) AS (
     ) n
 ), waiting AS (
     SELECT job, array_agg(dataset) AS datasets FROM pairs GROUP BY job
+), ready AS (
+    SELECT j.name
+    FROM waiting w
+    JOIN pgflow.jobs j ON j.name = w.job
+    WHERE NOT j.paused AND j.trigger_on <> '{}'
+      AND CASE WHEN j.trigger_mode = 'any' THEN w.datasets && j.trigger_on
+               ELSE w.datasets @> j.trigger_on END
+      AND NOT EXISTS (SELECT 1 FROM pgflow.runs r
+                      WHERE r.job = j.name AND r.trigger = 'dataset'
+                        AND r.state IN ('pending', 'queued', 'running', 'retrying'))
+    ORDER BY j.name
+    LIMIT %(batch)s
 )
-SELECT j.name AS job
-FROM waiting w
-JOIN pgflow.jobs j ON j.name = w.job
-WHERE NOT j.paused AND j.trigger_on <> '{}'
-  AND CASE WHEN j.trigger_mode = 'any' THEN w.datasets && j.trigger_on
-           ELSE w.datasets @> j.trigger_on END
-  AND NOT EXISTS (SELECT 1 FROM pgflow.runs r
-                  WHERE r.job = j.name AND r.trigger = 'dataset'
-                    AND r.state IN ('pending', 'queued', 'running', 'retrying'))
+SELECT j.name, j.trigger_on, j.trigger_mode, j.paused
+FROM pgflow.jobs j
+WHERE j.name IN (SELECT name FROM ready)
 ORDER BY j.name
-LIMIT %(batch)s
-
--- name: lock_consumers
--- The consuming jobs of this pass, locked until it commits: whoever holds a job's row
--- is the only one consuming its events (a second scheduler skips it).
-SELECT name, trigger_on, trigger_mode, paused FROM pgflow.jobs
-WHERE name = ANY(%(jobs)s::text[])
-ORDER BY name
-FOR NO KEY UPDATE SKIP LOCKED
+FOR NO KEY UPDATE OF j SKIP LOCKED
 
 -- name: waiting_events
 -- The waiting events of the locked jobs %(jobs)s, read after the lock (a fresh snapshot).
