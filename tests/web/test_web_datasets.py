@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,10 +25,12 @@ Headers = dict[str, dict[str, str]]
 
 
 def consume(url: str) -> datasets.ConsumePass:
+    """One leader dataset pass, on a thread of its own (the browser's loop may run here)."""
     async def once() -> datasets.ConsumePass:
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as aconn:
             return await datasets.consume(aconn)
-    return asyncio.run(once())
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, once()).result()
 
 
 @pytest.fixture
