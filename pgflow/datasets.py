@@ -88,7 +88,12 @@ def check_key(key: Any) -> str | None:
     if key is None:
         return None
     if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_LENGTH or "\x00" in key:
-        raise InvalidInput(f"key: must be a string of 1 to {MAX_KEY_LENGTH} characters")
+        raise InvalidInput(f"key: must be a string of 1 to {MAX_KEY_LENGTH} characters"
+                           " without NUL")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput("key: must be valid UTF-8 text") from None
     return key
 
 
@@ -99,14 +104,25 @@ def check_payload(payload: Any) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise InvalidInput("payload: must be a JSON object")
     try:
-        text = json.dumps(payload, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"payload: not JSON: {exc}") from None
-    if "\\u0000" in text:
+        text = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+        size = len(text.encode("utf-8"))
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError: a lone surrogate
+        raise InvalidInput(f"payload: not storable JSON: {exc}") from None
+    if _has_nul(payload):  # PostgreSQL's jsonb cannot hold \u0000
         raise InvalidInput("payload: must not contain NUL characters")
-    if len(text.encode("utf-8")) > MAX_PAYLOAD_BYTES:
+    if size > MAX_PAYLOAD_BYTES:
         raise InvalidInput(f"payload: larger than {MAX_PAYLOAD_BYTES // 1024} KiB")
     return payload
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 @dataclass(frozen=True)

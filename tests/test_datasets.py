@@ -275,6 +275,13 @@ def test_payload_rules() -> None:
         datasets.check_payload({"x": "y" * (64 * 1024)})
     with pytest.raises(InvalidInput, match="key"):
         datasets.check_key("")
+    with pytest.raises(InvalidInput, match="NUL"):
+        datasets.check_payload({"a": ["b\x00"]})
+    with pytest.raises(InvalidInput, match="storable"):
+        datasets.check_payload({"a": "\ud800"})
+    with pytest.raises(InvalidInput, match="UTF-8"):
+        datasets.check_key("\udcff")
+    assert datasets.check_payload({"path": "C:\\u0000"}) == {"path": "C:\\u0000"}
     assert datasets.check_payload(None) == {}
 
 
@@ -424,6 +431,26 @@ def test_retention_deletes_consumed_events_only(conn: Conn, db_url: str) -> None
     left = [r["id"] for r in conn.execute("SELECT id FROM pgflow.dataset_events ORDER BY id")]
     assert left == [waiting]
     assert old not in left and unconsumed_nobody not in left
+    registry.delete(conn, "paused")  # nothing waits for its events any more
+    for _ in range(2):  # the first pass drops its deliveries, the next the event
+        retention.run_once(conn, retention_s=30 * 86400)
+    assert conn.execute("SELECT count(*) AS n FROM pgflow.dataset_events").fetchone() == {"n": 0}
+
+
+def test_retention_keeps_events_of_a_run_that_may_still_run(conn: Conn, db_url: str) -> None:
+    add_job(conn, "report", command="true", trigger_on=["orders"])
+    datasets.emit(conn, "orders")
+    consume(db_url)
+    [run] = dataset_runs(conn, "report")
+    conn.execute("UPDATE pgflow.dataset_events SET created_at = now() - interval '40 days'")
+    retention.run_once(conn, retention_s=30 * 86400)  # queued: its command will read them
+    finish_run(conn, run["id"], "failed")
+    retention.run_once(conn, retention_s=30 * 86400)  # a dead letter may be retried
+    assert len(events(conn, "orders")) == 1
+    runs_ack = "UPDATE pgflow.runs SET acked_at = now() WHERE id = %s"
+    conn.execute(runs_ack, (run["id"],))
+    retention.run_once(conn, retention_s=30 * 86400)
+    assert events(conn, "orders") == []
 
 
 # ---------------------------------------------------------------- crashes

@@ -181,11 +181,24 @@ ORDER BY 1, 2
 -- may retry: its command reads the events again). Deliveries go with their event.
 -- Waiting deliveries for a job that no longer triggers on their dataset (deleted, or
 -- redefined by plain SQL) are dropped first; their events go in a later pass.
-WITH orphans AS (
-    DELETE FROM pgflow.dataset_deliveries d
-    WHERE d.run_id IS NULL
-      AND NOT EXISTS (SELECT 1 FROM pgflow.jobs j
-                      WHERE j.name = d.job AND d.dataset = ANY(j.trigger_on))
+-- The waiting (job, dataset) pairs come from a skip scan, as in ready_consumers.
+WITH RECURSIVE pairs(job, dataset) AS (
+    (SELECT job, dataset FROM pgflow.dataset_deliveries
+     WHERE run_id IS NULL ORDER BY job, dataset LIMIT 1)
+    UNION ALL
+    SELECT n.job, n.dataset FROM pairs p
+    CROSS JOIN LATERAL (
+        SELECT d.job, d.dataset FROM pgflow.dataset_deliveries d
+        WHERE d.run_id IS NULL AND (d.job, d.dataset) > (p.job, p.dataset)
+        ORDER BY d.job, d.dataset LIMIT 1
+    ) n
+), stale AS (
+    SELECT p.job, p.dataset FROM pairs p
+    WHERE NOT EXISTS (SELECT 1 FROM pgflow.jobs j
+                      WHERE j.name = p.job AND p.dataset = ANY(j.trigger_on))
+), orphans AS (
+    DELETE FROM pgflow.dataset_deliveries d USING stale s
+    WHERE d.job = s.job AND d.dataset = s.dataset AND d.run_id IS NULL
 ), doomed AS (
     SELECT e.id FROM pgflow.dataset_events e
     WHERE e.created_at < coalesce(%(now)s::timestamptz, now())
