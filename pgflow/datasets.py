@@ -136,11 +136,12 @@ class Emitted:
 def emit(conn: Conn, dataset: str, key: str | None = None,
          payload: dict[str, Any] | None = None) -> Emitted:
     """Record an event of ``dataset`` from outside; a repeated ``key`` records nothing
-    and returns the event recorded first."""
+    and returns the event recorded first. ``conn`` is an autocommit connection (or the
+    caller commits)."""
     dataset, key, payload = check_name(dataset), check_key(key), check_payload(payload)
-    with conn.transaction():
-        row = conn.execute(q("emit_event"), {"dataset": dataset, "key": key,
-                                             "payload": Jsonb(payload)}).fetchone()
+    # One statement (the event, its deliveries, the leader's wake-up): atomic on its own.
+    row = conn.execute(q("emit_event"), {"dataset": dataset, "key": key,
+                                         "payload": Jsonb(payload)}).fetchone()
     if row is not None:
         return Emitted(row, True)
     existing = conn.execute(q("event_by_key"), {"dataset": dataset, "key": key}).fetchone()

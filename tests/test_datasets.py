@@ -188,6 +188,25 @@ def test_a_paused_consumer_keeps_its_events_for_one_run_on_resume(conn: Conn,
     assert consumed(conn, run["id"]) == ids
 
 
+def test_two_schedulers_at_once_never_consume_an_event_twice(conn: Conn, db_url: str) -> None:
+    """The backstop: two leaders' passes overlapping (a replica that outlived its belief)
+    skip each other's locked consumers; every event still goes to exactly one run."""
+    registry.apply(conn, [spec(f"c{i:02d}", trigger_on=["orders"]) for i in range(40)])
+    ids = [datasets.emit(conn, "orders").event["id"] for _ in range(3)]
+
+    async def both() -> list[datasets.ConsumePass]:
+        async def one() -> datasets.ConsumePass:
+            async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as aconn:
+                return await datasets.consume(aconn, batch=5)
+        return list(await asyncio.gather(one(), one()))
+
+    first, second = asyncio.run(both())
+    assert not set(first.runs) & set(second.runs)
+    for i in range(40):
+        [run] = dataset_runs(conn, f"c{i:02d}")
+        assert consumed(conn, run["id"]) == ids
+
+
 def test_a_logical_time_taken_by_another_run_moves_one_microsecond(conn: Conn,
                                                                    db_url: str) -> None:
     add_job(conn, "report", command="true", trigger_on=["orders"])

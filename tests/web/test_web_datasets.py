@@ -115,6 +115,8 @@ def test_a_dataset_run_shows_why_it_fired(client: httpx.Client, as_role: Headers
     [run_id] = consume(db_url).runs.values()
     detail = client.get(f"/api/v1/runs/{run_id}", headers=as_role["viewer"]).json()
     assert detail["trigger"] == "dataset"
+    listed = client.get("/api/v1/runs?trigger=dataset", headers=as_role["viewer"]).json()
+    assert [r["id"] for r in listed["items"]] == [run_id]
     assert [(e["id"], e["dataset"], e["key"]) for e in detail["trigger_events"]] == [
         (first["id"], "orders", "batch-7"), (second["id"], "customers", None)]
     login(client, secrets_by_role["viewer"])
