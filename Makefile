@@ -33,7 +33,8 @@ run: install
 	@$(BIN)/pgflow token create --role admin --note "make run"
 	exec $(BIN)/pgflow serve
 
-# Browser tests drive Debian's Chromium; promtool checks the shipped alert rules.
+# Browser tests drive Debian's Chromium; promtool checks the shipped alert rules;
+# tests/test_pooler.py runs Debian's PgBouncer.
 system-deps:
 	@command -v chromium >/dev/null 2>&1 || $(call apt_install,chromium)
 	@command -v promtool >/dev/null 2>&1 || $(call apt_install,prometheus) || \
@@ -43,10 +44,15 @@ system-deps:
 	@{ command -v patroni && command -v etcd; } >/dev/null 2>&1 || \
 		$(call apt_install,patroni etcd-server) || \
 		echo "patroni/etcd-server unavailable: the database failover test will be skipped"
+	@command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || \
+		$(call apt_install,pgbouncer) || \
+		echo "pgbouncer unavailable: the connection-pooler test will be skipped"
 
+# Three xdist workers, each with its own throwaway PostgreSQL cluster.
+TEST_WORKERS ?= 3
 test: install-test system-deps
 	$(BIN)/ruff check pgflow tests
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # The chaos soak of tests/chaos.py for minutes (make test runs a 40 s version).
 SOAK_SECONDS ?= 600

@@ -37,6 +37,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PGFLOW_", extra="ignore", frozen=True)
 
     database_url: str | None = Field(default=None, description="libpq URL; unset = embedded")
+    pooler_url: str | None = Field(
+        default=None, description="libpq URL of a transaction-mode PgBouncer; unset = direct")
     home: Path = Field(default_factory=_default_home, description="data folder")
     lease_ttl: Seconds = Field(default=30.0, gt=0, description="lease length without heartbeat")
     bind: str = Field(default="127.0.0.1:8080", description="host:port of the web role")
@@ -61,7 +63,7 @@ class Settings(BaseSettings):
         # load_settings reads the (injectable) environment itself and passes it in.
         return (init_settings,)
 
-    @field_validator("database_url")
+    @field_validator("database_url", "pooler_url")
     @classmethod
     def _url_scheme(cls, value: str | None) -> str | None:
         if value is not None and not value.strip():

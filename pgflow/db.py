@@ -9,6 +9,11 @@ keepalives and ``tcp_user_timeout``, both ways); worker and reaper sessions also
 server-side statement and idle-transaction timeouts sized from the lease TTL, and
 their loops bound every statement on the client too (``bounded``): a silent
 partition, where the socket neither answers nor fails, is caught by nothing else.
+
+``pooled=True`` marks a connection to a transaction-mode PgBouncer (``PGFLOW_POOLER_URL``):
+nothing is prepared and nothing is SET on it, since consecutive transactions may run on
+different server sessions. What goes through the pooler and what must stay direct, and
+the connections each role opens: the design note of ``pgflow/pooler.py``.
 """
 
 from __future__ import annotations
@@ -51,25 +56,41 @@ def redact(url: str) -> str:
 SESSION_SETUP = "SET jit = off"
 
 
-def connect(url: str, **kwargs: Any) -> psycopg.Connection[dict[str, Any]]:
-    """An autocommit connection returning dict rows."""
+def connect(url: str, *, pooled: bool = False,
+            **kwargs: Any) -> psycopg.Connection[dict[str, Any]]:
+    """An autocommit connection returning dict rows (``pooled``: through PgBouncer)."""
+    if pooled:
+        kwargs["prepare_threshold"] = None
     try:
         conn = psycopg.connect(
             url, autocommit=True, row_factory=dict_row, connect_timeout=10, **kwargs
         )
-        conn.execute(SESSION_SETUP)
+        if not pooled:
+            conn.execute(SESSION_SETUP)
         return conn
     except (psycopg.Error, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         raise DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}") from None
 
 
-def connect_migrated(url: str) -> psycopg.Connection[dict[str, Any]]:
+def connect_pooled(url: str, pooler_url: str | None) -> psycopg.Connection[dict[str, Any]]:
+    """A connection through ``pooler_url`` (PGFLOW_POOLER_URL) when set, else to ``url``."""
+    return connect(pooler_url, pooled=True) if pooler_url else connect(url)
+
+
+def connect_migrated(url: str,
+                     pooler_url: str | None = None) -> psycopg.Connection[dict[str, Any]]:
     """A connection to a database whose schema is current (pending migrations are applied:
-    ``migrate`` is safe from several processes at once)."""
-    conn = connect(url)
+    ``migrate`` is safe from several processes at once). With ``pooler_url`` the connection
+    goes through the pooler, and only migrations, when some are pending, use ``url``."""
+    conn = connect_pooled(url, pooler_url)
     if migrate.pending(conn):
-        applied = migrate.migrate(conn)
+        migrator = connect(url) if pooler_url else conn
+        try:
+            applied = migrate.migrate(migrator)
+        finally:
+            if migrator is not conn:
+                migrator.close()
         print(f"pgflow: applied {len(applied)} migration(s)", file=sys.stderr)
     return conn
 
@@ -82,17 +103,23 @@ _TCP: dict[str, Any] = {"keepalives": 1, "keepalives_idle": 5, "keepalives_inter
 
 
 async def connect_async(url: str, name: str, *, statement_timeout: float | None = None,
-                        connect_timeout: float = 10) -> psycopg.AsyncConnection[Any]:
+                        connect_timeout: float = 10,
+                        pooled: bool = False) -> psycopg.AsyncConnection[Any]:
     """An autocommit connection for a replica's role ``name`` (its application_name).
     Raises psycopg errors: the roles retry with backoff.
 
     With ``statement_timeout`` (seconds), the server ends any statement, or transaction
     left idle, that outlasts it and drops the session quickly if the client vanishes
     mid-statement: for worker and reaper sessions, whose statements are worthless once a
-    lease could have expired. (Not for the leader, whose session holds its lock.)"""
+    lease could have expired. (Not for the leader, whose session holds its lock.)
+    A ``pooled`` connection sets nothing (PgBouncer's settings stand in: pgflow/pooler.py)
+    and prepares nothing."""
+    extra: dict[str, Any] = {"prepare_threshold": None} if pooled else {}
     conn = await psycopg.AsyncConnection.connect(
         url, autocommit=True, connect_timeout=max(2, round(connect_timeout)),
-        application_name=f"pgflow-{name}", **_TCP)
+        application_name=f"pgflow-{name}", **_TCP, **extra)
+    if pooled:
+        return conn
     if statement_timeout is None:
         await conn.execute(SESSION_SETUP)
     else:

@@ -1,7 +1,8 @@
 """What jobs see of the replica's environment: nothing of pgflow's or libpq's.
 
 Command jobs get the replica's environment minus every variable whose name starts
-with ``PG`` — pgflow's own configuration (``PGFLOW_DATABASE_URL`` with its password,
+with ``PG`` — pgflow's own configuration (``PGFLOW_DATABASE_URL`` and
+``PGFLOW_POOLER_URL`` with their passwords,
 ``PGFLOW_SECRET_KEY`` that signs admin sessions, ``PGFLOW_HOME``, … every
 ``PGFLOW_*``) and libpq's (``PGPASSWORD``, ``PGHOST``, ``PGSERVICE``, ``PGPASSFILE``,
 …) — plus the run's own ``PGFLOW_RUN_ID``, ``PGFLOW_JOB``, ``PGFLOW_LOGICAL_TIME``,
@@ -15,7 +16,7 @@ Python jobs run inside the replica and read ``os.environ``, so ``pgflow serve``
 removes from its own environment, once its settings are loaded, every ``PGFLOW_*``
 variable and every libpq variable that names a connection keyword
 (``pq.Conninfo.get_defaults``). libpq reads those again at each (re)connect, so
-their values are first written into the connection string (``pin_libpq``). The few
+their values are first written into the connection strings (``pin_libpq``). The few
 libpq variables without a keyword (``PGSERVICEFILE``, ``PGSYSCONFDIR``,
 ``PGLOCALEDIR`` with libpq 18) stay: libpq still needs them to find a service file,
 and they are paths, not credentials. The removed values are also overwritten in the

@@ -59,7 +59,7 @@ def start(options: ServeOptions, roles: list[asyncio.Task[None]], worker: Worker
             alive["worker"] = bool(loops) and not any(t.done() for t in loops)
         return alive
 
-    checker = Health(options.url, liveness, stopping)
+    checker = Health(options.pooled_url, liveness, stopping, pooled=options.pooled)
     return asyncio.create_task(checker.serve(sock, options.health_bind, stop, log),
                                name="health")
 
@@ -81,8 +81,9 @@ class Health:
     """Answers ``/healthz`` from ``liveness`` and ``/readyz`` from it and the database."""
 
     def __init__(self, url: str, liveness: Liveness, stopping: asyncio.Event,
-                 timeout: float = CHECK_TIMEOUT_S) -> None:
+                 timeout: float = CHECK_TIMEOUT_S, *, pooled: bool = False) -> None:
         self.url = url
+        self.pooled = pooled  # url is PgBouncer's
         self.liveness = liveness
         self.stopping = stopping
         self.timeout = timeout
@@ -127,7 +128,8 @@ class Health:
                 if self._conn is None or self._conn.closed:
                     self._conn = await asyncio.wait_for(
                         connect_async(self.url, "health", statement_timeout=self.timeout,
-                                      connect_timeout=self.timeout), self.timeout + 1)
+                                      connect_timeout=self.timeout, pooled=self.pooled),
+                        self.timeout + 1)
                 conn = self._conn
                 cur = await bounded(conn, conn.execute(q("health_schema_version")),
                                     self.timeout, "health check")

@@ -50,6 +50,7 @@ from prometheus_client.core import (
 )
 from psycopg_pool import PoolTimeout
 
+from pgflow import queue_health
 from pgflow.queries import q
 from pgflow.safety_net import KINDS as REPAIR_KINDS
 from pgflow.status import ALIVE_TTLS
@@ -141,6 +142,8 @@ class Metrics:
             # Breakers: state per source, transitions (cluster-wide, from their log).
             states = conn.execute(q("breaker_states")).fetchall()
             moves = conn.execute(q("breaker_transition_counts")).fetchall()
+            # Queue health: dead tuples, vacuum, xmin horizon (statistics views only).
+            health = queue_health.read(conn)
             datasets = conn.execute(q("dataset_metrics")).fetchall()  # pgflow/datasets.py
             row = conn.execute(q("metrics_scrape"), {
                 "since": self._since, "settle": self._settle_s,
@@ -153,6 +156,7 @@ class Metrics:
         row["demand"] = demand
         row["breaker_states"] = states
         row["breaker_moves"] = moves
+        row["health"] = health
         row["datasets"] = datasets
         for f in row["finished"]:
             self._finished[(f["job"], f["tenant"], f["outcome"])] += f["n"]
@@ -244,6 +248,7 @@ def _gauges(row: dict[str, Any], lease_ttl: float) -> Iterator[Metric]:
         repairs.add_metric([kind], float(row["repairs"].get(kind, 0)))
     yield repairs
     yield from _demand_gauges(row["demand"])
+    yield from _queue_health_gauges(row["health"])
     yield _gauge("pgflow_breakers_open", "Sources whose circuit breaker is open.",
                  float(len(row["open_breakers"])))
     breakers = GaugeMetricFamily("pgflow_breaker_open", "1 for each source whose breaker is open.",
@@ -278,6 +283,38 @@ def _demand_gauges(demand: dict[str, Any]) -> Iterator[Metric]:
     yield _gauge("pgflow_worker_demand_oldest_claimable_age_seconds",
                  "How long the oldest claimable run has waited (0 when none waits).",
                  float(demand["oldest_claimable_age_s"]))
+
+
+def _queue_health_gauges(health: dict[str, Any]) -> Iterator[Metric]:
+    """Dead tuples and vacuum of the hot tables, the oldest transaction and the xmin
+    horizon (see pgflow/queue_health.py)."""
+    tables = [("pgflow_table_live_tuples", "Live rows of a hot pgflow table (statistics).",
+               "live_tuples"),
+              ("pgflow_table_dead_tuples", "Dead rows of a hot pgflow table not yet vacuumed.",
+               "dead_tuples")]
+    for name, doc, key in tables:
+        family = GaugeMetricFamily(name, doc, labels=["table"])
+        for t in health["tables"]:
+            family.add_metric([t["table"]], float(t[key]))
+        yield family
+    stamps = [("pgflow_table_last_autovacuum_timestamp_seconds",
+               "When autovacuum last vacuumed a hot pgflow table (0: never).", "last_autovacuum"),
+              ("pgflow_table_last_autoanalyze_timestamp_seconds",
+               "When autovacuum last analyzed a hot pgflow table (0: never).",
+               "last_autoanalyze")]
+    for name, doc, key in stamps:
+        family = GaugeMetricFamily(name, doc, labels=["table"])
+        for t in health["tables"]:
+            family.add_metric([t["table"]], t[key].timestamp() if t[key] else 0.0)
+        yield family
+    oldest, horizon = health["oldest_xact"], health["horizon"]
+    yield _gauge("pgflow_oldest_transaction_age_seconds",
+                 "Age of the oldest open transaction of another client session of the database.",
+                 float(oldest["age_s"]) if oldest else 0.0)
+    yield _gauge("pgflow_xmin_horizon_age_transactions",
+                 "Transactions since the oldest snapshot, replication slot or prepared"
+                 " transaction that holds back vacuum (0: none held).",
+                 float(horizon["xmin_age"]) if horizon else 0.0)
 
 
 def _dataset_gauges(rows: list[dict[str, Any]]) -> Iterator[Metric]:

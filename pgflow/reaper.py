@@ -63,8 +63,10 @@ async def forget_dead_replicas(conn: psycopg.AsyncConnection[Any]) -> int:
     return len(await cur.fetchall())
 
 
-async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any) -> None:
-    """Reap every ~TTL/3 until ``stop``; database errors are logged and retried."""
+async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any, *,
+                     pooled: bool = False) -> None:
+    """Reap every ~TTL/3 until ``stop``; database errors are logged and retried
+    (``pooled``: ``url`` is PgBouncer's)."""
     interval = max(0.5, min(lease_ttl / 3, 10.0))
     statement_s = max(1.0, lease_ttl)  # a reap pass is worthless once it outlasts a lease
     conn: psycopg.AsyncConnection[Any] | None = None
@@ -72,7 +74,8 @@ async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any) 
     while not stop.is_set():
         try:
             if conn is None or conn.closed:
-                conn = await connect_async(url, "reaper", statement_timeout=statement_s)
+                conn = await connect_async(url, "reaper", statement_timeout=statement_s,
+                                           pooled=pooled)
             while (found := await bounded(conn, run_once(conn), statement_s + 2, "reap")).reaped:
                 log.info("reaped expired leases", reaped=found.reaped, retried=found.retried,
                          failed=found.failed)

@@ -39,13 +39,14 @@ class Replica:
 
 
 async def run_heartbeat(url: str, replica: Replica, lease_ttl: float, stop: asyncio.Event,
-                        stopping: asyncio.Event, log: Any) -> None:
-    """Register the replica and keep its heartbeat fresh until ``stop``; deregister then."""
+                        stopping: asyncio.Event, log: Any, *, pooled: bool = False) -> None:
+    """Register the replica and keep its heartbeat fresh until ``stop``; deregister then
+    (``pooled``: ``url`` is PgBouncer's)."""
     conn: psycopg.AsyncConnection[Any] | None = None
     failures = 0
     while not stop.is_set():
         try:
-            conn = conn or await connect_async(url, "replica")
+            conn = conn or await connect_async(url, "replica", pooled=pooled)
             await bounded(conn, conn.execute(q("heartbeat_replica"), {
                 **replica.params(), "stopping": stopping.is_set()}), lease_ttl, "replica heartbeat")
             failures = 0

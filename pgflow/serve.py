@@ -53,6 +53,18 @@ class ServeOptions:
     health_bind: str | None = None  # /healthz and /readyz without the web role (pgflow.health)
     # PGFLOW_SECRET_KEY as it was before the environment was scrubbed (see serve)
     secret_env: Mapping[str, str] = field(default_factory=dict)
+    # PGFLOW_POOLER_URL: a transaction-mode PgBouncer for the transactional paths; the
+    # leader's lock session and LISTEN stay on ``url`` (pgflow/pooler.py)
+    pooler_url: str | None = None
+
+    @property
+    def pooled_url(self) -> str:
+        """Where transactional work goes: the pooler when there is one."""
+        return self.pooler_url or self.url
+
+    @property
+    def pooled(self) -> bool:
+        return self.pooler_url is not None
 
 
 def serve(options: ServeOptions) -> None:
@@ -77,9 +89,11 @@ def hide_secrets(options: ServeOptions) -> ServeOptions:
     """Take pgflow's and libpq's variables out of ``os.environ`` (jobs must not see
     them); the options returned carry what the replica still needs of them."""
     url = environment.pin_libpq(options.url, os.environ)
+    pooler = options.pooler_url and environment.pin_libpq(options.pooler_url, os.environ)
     key = {k: os.environ[k] for k in ("PGFLOW_SECRET_KEY",) if k in os.environ}
     environment.scrub(os.environ)
-    return replace(options, url=url, secret_env={**key, **options.secret_env})
+    return replace(options, url=url, pooler_url=pooler or None,
+                   secret_env={**key, **options.secret_env})
 
 
 async def _serve(options: ServeOptions) -> str | None:
@@ -93,7 +107,8 @@ async def _serve(options: ServeOptions) -> str | None:
     stop_scheduling = asyncio.Event()  # at once on shutdown, so a standby takes over
     stopping = asyncio.Event()  # shown in pgflow status while draining
     tasks = [_supervised("heartbeat", lambda: run_heartbeat(
-        options.url, replica, options.lease_ttl, stop, stopping, log), stop, log)]
+        options.pooled_url, replica, options.lease_ttl, stop, stopping, log,
+        pooled=options.pooled), stop, log)]
     if "scheduler" in options.roles:
         tasks.append(_supervised("scheduler", lambda: run_scheduler(
             options.url, replica.id, options.lease_ttl, stop_scheduling, log,
@@ -101,17 +116,20 @@ async def _serve(options: ServeOptions) -> str | None:
             stop_scheduling, log))
     if "reaper" in options.roles:
         tasks.append(_supervised("reaper", lambda: reaper.run_reaper(
-            options.url, options.lease_ttl, stop, log), stop, log))
+            options.pooled_url, options.lease_ttl, stop, log, pooled=options.pooled),
+            stop, log))
     if "web" in options.roles:
         web = _supervised("web", lambda: run_web(
-            options.url, options.settings, options.bind, stop, log,
-            secret=load_secret(options.settings.home, options.secret_env)), stop, log)
+            options.pooled_url, options.settings, options.bind, stop, log,
+            secret=load_secret(options.settings.home, options.secret_env),
+            pooled=options.pooled), stop, log)
         web.add_done_callback(
             lambda task: _web_ended(task, shutdown if options.web_required else None, failed,
                                     log))
         tasks.append(web)
     if "worker" in options.roles:
-        worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log)
+        worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log,
+                        pooler_url=options.pooler_url)
         worker.start()
     if options.health_bind:
         tasks.append(health.start(options, tasks, worker, stopping, stop, log))

@@ -104,8 +104,9 @@ class Held:
 
 class Worker:
     def __init__(self, url: str, worker_id: str, concurrency: int, lease_ttl: float,
-                 log: Any) -> None:
-        self.url = url
+                 log: Any, *, pooler_url: str | None = None) -> None:
+        self.url = url  # direct: the LISTEN session
+        self.pooler_url = pooler_url  # claims, renewals, completions, when set (pooler.py)
         self.id = worker_id
         self.concurrency = concurrency
         self.ttl = lease_ttl
@@ -186,9 +187,14 @@ class Worker:
         abandoned sync jobs take a slot each."""
         return self.concurrency - len(self.active) - self._abandoned
 
-    async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        return await connect_async(self.url, "worker", statement_timeout=self._statement_s,
-                                   connect_timeout=min(10.0, self._bound_s))
+    async def _connect(self, *, listen: bool = False) -> psycopg.AsyncConnection[Any]:
+        """A session for claims, renewals and completions, through the pooler when there is
+        one; with ``listen``, the LISTEN session: always direct (a session of its own)."""
+        pooler = None if listen else self.pooler_url
+        return await connect_async(pooler or self.url, "worker-listen" if listen else "worker",
+                                   statement_timeout=self._statement_s,
+                                   connect_timeout=min(10.0, self._bound_s),
+                                   pooled=pooler is not None)
 
     # ------------------------------------------------------------ claim
 
@@ -566,7 +572,7 @@ class Worker:
         while True:
             conn: psycopg.AsyncConnection[Any] | None = None
             try:
-                conn = await self._connect()
+                conn = await self._connect(listen=True)
                 await bounded(conn, conn.execute(q("listen_worker")), self._bound_s, "listen")
                 self._wake.set()  # notifications may have been missed while disconnected
                 failures = 0

@@ -224,6 +224,18 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "web: dashboard minutes": ("web_rollup_minutes", {"settle_s": 120, "limit": 60},
                                    {"runs_finished_idx"}),
         "web: dashboard": ("web_dashboard", {"live_s": 600}, {"runs_finished_idx"}),
+        # The dashboard's panels: the day's failures index-only (runs_failed_idx), one
+        # hour of finished runs for the slowest jobs, never the day as a whole.
+        "web: dashboard panels": ("web_dashboard_panels", {
+            "settle_s": 120, "limit": 10, "per_hour": 10, "failures_scan": 20_000},
+            {"runs_failed_idx"}),
+        "web: slowest jobs of an hour": ("web_rollup_slow_hours", {
+            "settle_s": 120, "limit": 1, "per_hour": 10}, {"runs_finished_idx"}),
+        "web: pipeline grid": ("dag_history_runs", {
+            "jobs": ["up", "down"], "times": [LIVE + timedelta(seconds=i) for i in range(25)]},
+            {"runs_job_logical_time_key"}),
+        "web: pipeline times": ("dag_history_times", {"job": "up", "times": 25},
+                                {"runs_job_logical_time_key"}),
         "retention status": ("retention_status", {"retention_s": 7 * 86400.0, "now": None,
                                                   "cap": 100_000}, {"runs_finished_idx"}),
     }

@@ -52,7 +52,7 @@ class Ctx:
 
     def conn(self) -> psycopg.Connection[dict[str, Any]]:
         if self._conn is None:
-            self._conn = db.connect_migrated(self.url())
+            self._conn = db.connect_migrated(self.url(), self.settings.pooler_url)
         return self._conn
 
 

@@ -40,7 +40,7 @@ def db_migrate(ctx: Ctx) -> None:
 @pass_ctx
 def db_status(ctx: Ctx, as_json: bool) -> None:
     """Show applied and pending migrations, and the retention of finished runs."""
-    conn = db.connect(ctx.url())
+    conn = db.connect_pooled(ctx.url(), ctx.settings.pooler_url)
     rows = [
         {"version": s.version, "name": s.name, "state": "applied" if s.applied_at else "pending",
          "applied_at": s.applied_at, "modified": s.modified}

@@ -27,6 +27,10 @@ ALL_ROLES = ("scheduler", "worker", "reaper", "web")
 @click.option("--retention",
               help="How long finished runs are kept, e.g. 30d [PGFLOW_RETENTION, 30d].")
 @click.option("--database-url", "serve_url", help="libpq URL [PGFLOW_DATABASE_URL].")
+@click.option("--pooler-url",
+              help="libpq URL of a transaction-mode PgBouncer for claims, completions, web"
+                   " and CLI queries; the leader lock and LISTEN stay direct"
+                   " [PGFLOW_POOLER_URL, off].")
 @click.option("--home", "serve_home", help="Data folder [PGFLOW_HOME].")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
@@ -36,15 +40,15 @@ ALL_ROLES = ("scheduler", "worker", "reaper", "web")
 def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bind: str | None,
                   health_bind: str | None,
                   apps: tuple[str, ...], grace: str, lease_ttl: str | None, retention: str | None,
-                  serve_url: str | None, serve_home: str | None, log_level: str,
-                  log_format: str | None) -> None:
+                  serve_url: str | None, pooler_url: str | None, serve_home: str | None,
+                  log_level: str, log_format: str | None) -> None:
     """Run a replica: scheduler, worker, reaper and web roles."""
     from pgflow import log as logging_setup
     from pgflow.duration import parse_duration
     from pgflow.serve import ServeOptions, serve
 
-    ctx.override(database_url=serve_url, home=serve_home, lease_ttl=lease_ttl,
-                 retention=retention, bind=bind, health_bind=health_bind,
+    ctx.override(database_url=serve_url, pooler_url=pooler_url, home=serve_home,
+                 lease_ttl=lease_ttl, retention=retention, bind=bind, health_bind=health_bind,
                  concurrency=concurrency, log_format=log_format)
     try:
         grace_s = parse_duration(grace)
@@ -53,6 +57,11 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
     chosen = tuple(dict.fromkeys(roles)) or ALL_ROLES
     url = ctx.url()
     conn = ctx.conn()
+    if ctx.settings.pooler_url:
+        from pgflow.pooler import advice
+
+        for line in advice(conn):
+            click.echo(f"pgflow: warning: {line}", err=True)
     if apps:
         loaded = registry.load_sources(list(apps))
         registry.apply(conn, loaded.specs, source=", ".join(apps), invalid=loaded.errors)
@@ -66,4 +75,5 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
     serve(ServeOptions(url=url, roles=chosen, concurrency=ctx.settings.concurrency, grace=grace_s,
                        lease_ttl=ctx.settings.lease_ttl, retention=ctx.settings.retention,
                        bind=ctx.settings.bind, health_bind=ctx.settings.health_bind,
-                       settings=ctx.settings, web_required="web" in roles))
+                       settings=ctx.settings, web_required="web" in roles,
+                       pooler_url=ctx.settings.pooler_url))

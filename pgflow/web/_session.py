@@ -23,6 +23,7 @@ from pgflow.errors import NotFound, PgflowError
 from pgflow.web import svg
 from pgflow.web._state import Conn, WebState, web_state
 from pgflow.web.auth import FLASH_COOKIE, SESSION_COOKIE
+from pgflow.web.gantt import precise_seconds
 
 TZ_COOKIE = "pgflow_tz"
 MAX_FORM = 256 * 1024
@@ -55,6 +56,7 @@ def _environment() -> Environment:
                       autoescape=select_autoescape(["html"]), undefined=StrictUndefined,
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["dur"] = lambda s: "-" if s is None else svg.human_seconds(float(s))
+    env.filters["dur_precise"] = lambda s: "-" if s is None else precise_seconds(float(s))
     env.filters["colour"] = svg.colour
     env.filters["seg"] = lambda s: quote(str(s), safe="")
     env.filters["qs"] = lambda s: quote(str(s), safe="")
@@ -99,7 +101,9 @@ def here(request: Request) -> str:
     return request.url.path + (f"?{query}" if query else "")
 
 
-def time_formatter(zone: tzinfo, zone_name: str) -> Callable[[datetime | None], Markup]:
+def time_formatter(zone: tzinfo, zone_name: str, *, millis: bool = False
+                   ) -> Callable[[datetime | None], Markup]:
+    """``t(moment)`` for templates: to the second, or to the millisecond (``tms``)."""
     def show(moment: datetime | None) -> Markup:
         if moment is None:
             return Markup("-")
@@ -107,7 +111,8 @@ def time_formatter(zone: tzinfo, zone_name: str) -> Callable[[datetime | None], 
         suffix = "UTC" if zone_name == "UTC" else local.strftime("%Z") or zone_name
         return Markup('<time datetime="{}">{} {}</time>').format(
             moment.astimezone(UTC).isoformat().replace("+00:00", "Z"),
-            local.strftime("%Y-%m-%d %H:%M:%S"), suffix)
+            local.strftime("%Y-%m-%d %H:%M:%S")
+            + (f".{local.microsecond // 1000:03d}" if millis else ""), suffix)
 
     return show
 
@@ -120,6 +125,7 @@ def render(request: Request, template: str, viewer: Viewer | None, context: dict
     base = {
         "viewer": viewer, "flash": flash, "refresh": refresh, "here": here(request),
         "t": time_formatter(zone, zone_name), "zone_name": zone_name,
+        "tms": time_formatter(zone, zone_name, millis=True),
         "csrf": viewer.csrf if viewer else "", "nav": request.url.path,
     }
     response = templates.TemplateResponse(request, template, {**base, **context},

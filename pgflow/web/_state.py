@@ -56,13 +56,14 @@ def _configure(conn: psycopg.Connection[Any]) -> None:
     conn.execute(SESSION_SETUP)
 
 
-def new_pool(url: str, max_size: int = 10) -> ConnectionPool[Any]:
+def new_pool(url: str, max_size: int = 10, *, pooled: bool = False) -> ConnectionPool[Any]:
     """Autocommit dict-row connections, checked on checkout (a restarted database costs
     one failed check, not one failed request). Statements are not prepared: listings
-    with optional filters then get a plan for their actual values every time."""
+    with optional filters then get a plan for their actual values every time (and a
+    ``pooled`` URL, PgBouncer's in transaction mode, could not keep them; nor a SET)."""
     return ConnectionPool(
         url, min_size=1, max_size=max_size, open=False, timeout=5.0, name="pgflow-web",
-        check=ConnectionPool.check_connection, configure=_configure,
+        check=ConnectionPool.check_connection, configure=None if pooled else _configure,
         kwargs={"autocommit": True, "row_factory": dict_row, "prepare_threshold": None,
                 "connect_timeout": 5, "application_name": "pgflow-web"})
 

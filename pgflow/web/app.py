@@ -207,13 +207,13 @@ def routes() -> list[Route]:
 
 
 def create_app(url: str, settings: Settings, *, secret: bytes | None = None,
-               pool_size: int = 10) -> Starlette:
+               pool_size: int = 10, pooled: bool = False) -> Starlette:
     """The web role's app for the database at ``url``.
 
     ``secret`` signs session cookies; by default it is ``PGFLOW_SECRET_KEY`` or
     ``$PGFLOW_HOME/secret`` (created on first use), so replicas sharing either agree.
     """
-    pool = new_pool(url, pool_size)
+    pool = new_pool(url, pool_size, pooled=pooled)
     state = WebState(url=url, settings=settings,
                      signer=Signer(secret if secret is not None else load_secret(settings.home)),
                      pool=pool, metrics=Metrics(pool.connection, settings.lease_ttl))

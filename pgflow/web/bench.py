@@ -141,7 +141,8 @@ def _server_ms(response: httpx.Response) -> float:
 
 def bench_web(url: str, requests: int = 40, *, jobs: int = JOBS,
               runs_per_job: int = RUNS_PER_JOB) -> dict[str, Any]:
-    """p50/p95/max server time (ms) of the dashboard, jobs list and job detail, after
+    """p50/p95/max server time (ms) of the dashboard, jobs list, job detail (a root's with
+    its pipeline trend and grid), DAG run (Gantt) and the API's runs page, after
     seeding ``jobs`` jobs with ``runs_per_job`` runs each (once per database)."""
     seed(url, jobs, runs_per_job)
     conn = db.connect(url)
@@ -183,6 +184,11 @@ def bench_web(url: str, requests: int = 40, *, jobs: int = JOBS,
         results["jobs_list"] = _figures(pages)
         details = [_server_ms(http.get(f"/jobs/{rng.choice(names)}")) for _ in range(requests)]
         results["job_detail"] = _figures(details)
+        roots = names[::CHAIN]  # a root's page adds its DAG's end-to-end trend and grid
+        results["root_job_detail"] = _figures(
+            [_server_ms(http.get(f"/jobs/{rng.choice(roots)}")) for _ in range(requests)])
+        results["dag_run"] = _figures(  # the Gantt chart of the latest DAG run
+            [_server_ms(http.get(f"/jobs/{rng.choice(roots)}/dag")) for _ in range(requests)])
         api = [_server_ms(http.get("/api/v1/runs", params={"limit": 100},
                                    headers={"Authorization": f"Bearer {secret}"}))
                for _ in range(requests // 2)]

@@ -20,11 +20,11 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from pgflow import backfill, breakers, datasets, lineage, policies, runs, status
+from pgflow import backfill, breakers, datasets, lineage, policies, queue_health, runs, status
 from pgflow.cron import CronError, load_timezone, parse_cron
 from pgflow.errors import InvalidInput, NotFound
 from pgflow.queries import q
-from pgflow.web import svg
+from pgflow.web import dag_history, gantt, panels, svg
 from pgflow.web._endpoint import ApiError, Param, parse_param
 from pgflow.web._session import TZ_COOKIE, Viewer, local_path, page, render, zone_of
 from pgflow.web._state import Conn, WebState, web_state
@@ -99,14 +99,17 @@ def _compute_dashboard(conn: Conn, state: WebState) -> dict[str, Any]:
     last_hour = [v for m, v in minutes.items() if m >= int(now.timestamp()) - 3600]
     ok, failed = sum(v[1] for v in last_hour), sum(v[2] for v in last_hour)
     finished_day = sum(v[0] for v in minutes.values())
+    health = queue_health.read(conn)
     return {
         "now": now, "table": table, "totals": totals, "dead_letters": row["dead_letters"],
         "oldest_waiting_s": row["oldest_waiting_s"], "replicas": replicas, "leader": leader,
         "open_breakers": row["open_breakers"], "finished_day": finished_day,
         "rate_hour": ok / (ok + failed) if ok + failed else None,
-        "alerts": _alerts(row, replicas, totals, ok, failed, ttl),
+        "alerts": _alerts(row, replicas, totals, ok, failed, ttl)
+        + queue_health.warnings(health),
         "rpm_svg": svg.runs_per_minute(minutes, now, "Runs finished per minute, last 24 hours"),
         "rate_svg": svg.success_rate_by_hour(minutes, now, "Success rate per hour, last 24 h"),
+        "panels": panels.dashboard_panels(conn), "health": health,
     }
 
 
@@ -244,6 +247,8 @@ def job_page(request: Request) -> Response:
             "attempts_measured": len(durations), "failed_attempts": history["failed_attempts"],
             "success_rate": ok / (ok + failed) if ok + failed else None,
             "states": states, "recent": recent,
+            "dag": None if job["depends_on"] else dag_history.history(
+                conn, name, conn.execute(q("web_now")).fetchone()["now"]),  # type: ignore[index]
         }
 
     return page(request, "job.html", build)
@@ -269,7 +274,8 @@ def dag_page(request: Request) -> Response:
                           f" (run {r['id']})") for r in rows]
         return {"title": f"DAG run {at.isoformat()}", "job": name, "at": at, "rows": rows,
                 "graph_svg": svg.layered_graph(nodes, edges, name, f"DAG run at {at}"),
-                "active": any(r["state"] in ACTIVE for r in rows)}
+                "active": any(r["state"] in ACTIVE for r in rows),
+                **gantt.dag_run_latency(rows, conn.execute(q("web_now")).fetchone()["now"])}  # type: ignore[index]
 
     return page(request, "dag.html", build,
                 refresh=lambda c: 5 if c.get("active") else None)

@@ -42,21 +42,22 @@ def bind_socket(bind: str) -> socket.socket:
 
 
 async def run_web(url: str, settings: Settings, bind: str, stop: asyncio.Event,
-                  log: Any, *, secret: bytes | None = None) -> None:
+                  log: Any, *, secret: bytes | None = None, pooled: bool = False) -> None:
     """Serve the web role on ``bind`` until ``stop`` is set; ``secret`` signs sessions
-    (default: ``load_secret``, which reads ``PGFLOW_SECRET_KEY``).
+    (default: ``load_secret``, which reads ``PGFLOW_SECRET_KEY``); ``pooled``: ``url`` is
+    PgBouncer's.
 
     Refuses (PgflowError) a non-loopback bind while no admin token exists, and an
     address that cannot be bound, before serving anything.
     """
     host, _ = split_bind(bind)
-    conn = await asyncio.to_thread(db.connect, url)
+    conn = await asyncio.to_thread(lambda: db.connect(url, pooled=pooled))
     try:
         await asyncio.to_thread(check_bind_allowed, conn, host)
     finally:
         await asyncio.to_thread(conn.close)
     sock = bind_socket(bind)
-    app = create_app(url, settings, secret=secret)
+    app = create_app(url, settings, secret=secret, pooled=pooled)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                             proxy_headers=True, server_header=False,
                             timeout_graceful_shutdown=5)

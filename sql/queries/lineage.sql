@@ -36,6 +36,7 @@ WITH RECURSIVE component(job) AS (
     FROM component c JOIN pgflow.job_deps d ON d.upstream = c.job OR d.job = c.job
 )
 SELECT r.id, r.job, r.state, r.attempt, r.trigger, r.started_at, r.finished_at,
+       r.logical_time, r.created_at, r.attempt_started_at,
        ARRAY(SELECT upstream FROM pgflow.job_deps WHERE job = r.job ORDER BY 1) AS depends_on
 FROM component c
 JOIN pgflow.runs r ON r.job = c.job AND r.logical_time = %(logical_time)s

@@ -12,3 +12,9 @@ SELECT set_config('jit', 'off', false),
        set_config('tcp_keepalives_interval', '2', false),
        set_config('tcp_keepalives_count', '3', false),
        set_config('tcp_user_timeout', '10000', false)
+
+-- name: pooled_session_settings
+-- What sessions through PgBouncer run with: pgflow sets nothing on them, PgBouncer's
+-- connect_query does (pgflow/pooler.py).
+SELECT current_setting('jit') AS jit,
+       current_setting('client_connection_check_interval') AS connection_check
