@@ -240,6 +240,21 @@ def test_python_jobs_see_ctx_trigger_events(conn: Conn, db_url: str,
         {"dataset": "orders", "id": event["id"], "key": "k", "payload": {"x": [1, 2]}}]
 
 
+def test_a_list_just_under_the_limit_stays_in_the_environment(
+        conn: Conn, db_url: str, worker: WorkerThread, tmp_path: Path) -> None:
+    copy = tmp_path / "events.json"
+    add_job(conn, "report", trigger_on=["orders"],
+            command=f'test -z "$PGFLOW_TRIGGER_EVENTS_FILE" && printf %s "$PGFLOW_TRIGGER_EVENTS"'
+                    f' > {copy}')
+    for n in range(2):
+        datasets.emit(conn, "orders", payload={"blob": "x" * 45_000, "n": n})
+    consume(db_url)
+    [run] = dataset_runs(conn, "report")
+    wait_for(lambda: conn.execute("SELECT state FROM pgflow.runs WHERE id = %s",
+                                  (run["id"],)).fetchone()["state"] == "succeeded")  # type: ignore[index]
+    assert [e["payload"]["n"] for e in json.loads(copy.read_text())] == [0, 1]
+
+
 def test_a_big_event_list_goes_to_a_file(conn: Conn, db_url: str, worker: WorkerThread,
                                          tmp_path: Path) -> None:
     copy = tmp_path / "events.json"
