@@ -22,7 +22,7 @@ it commits, so a cursor moved past id 7 may skip an id 6 that commits later (two
 producers finishing together). A per-event row has no such gap; it costs one row
 per (event, consumer), removed with the event by retention.
 
-Consuming. The scheduler leader runs ``consume`` after each scheduling pass, on
+Consuming. The scheduler leader runs ``consume`` before each cron pass, on
 its lock connection (``pgflow/leader.py``: a deposed leader cannot commit), and is
 woken by ``NOTIFY pgflow_datasets`` when an event is delivered. One pass is one
 transaction: find the jobs whose condition holds over their waiting events
@@ -40,6 +40,14 @@ A run consumes every waiting event of its job at once, up to ``MAX_EVENTS_PER_RU
 (a backlog beyond that is consumed by the next runs, the oldest first, and each
 dataset's oldest event is always in, so an ``all`` run has every dataset). While a
 consumer's dataset run is active, new events wait: runs never pile up.
+
+The hot path. ``finish_attempts`` gains one primary-key lookup of the job per
+succeeded run (``produces <> '{}'`` is false for most jobs, and nothing else
+happens for them); the claim returns the consumed events only for runs whose
+trigger is ``dataset``. Measured on the shared 2-core machine, 100 runs per
+statement, fastest of 16 alternating runs: finish 4.65 -> 4.83 ms, claim 2.46 ->
+2.61 ms, i.e. about 2 microseconds per run. ``make bench`` (figure ``datasets``)
+measures event -> run start with an idle replica and 10,000-event bursts.
 """
 
 from __future__ import annotations
