@@ -274,7 +274,7 @@ async def _one_pass(conn: AsyncConnection[Any], batch: int, cap: int,
         chosen = {job: events for job, events in waiting.items()
                   if _holds(jobs[job], {e["dataset"] for e in events})}
         if chosen:
-            runs = await _create_runs(cur, conn, chosen)
+            runs = await _create_runs(cur, conn, chosen, {j for j in chosen if jobs[j]["in_dag"]})
             await _consume(cur, chosen, runs)
             result.runs.update(runs)
             result.events += sum(len(chosen[job]) for job in runs)
@@ -289,9 +289,11 @@ def _holds(job: dict[str, Any], datasets: set[str]) -> bool:
 
 
 async def _create_runs(cur: psycopg.AsyncCursor[dict[str, Any]], conn: AsyncConnection[Any],
-                       chosen: dict[str, list[dict[str, Any]]]) -> dict[str, int]:
-    """One run per job at its newest event's time; a time taken by another run of the job
-    (a manual trigger at that microsecond) moves one microsecond later."""
+                       chosen: dict[str, list[dict[str, Any]]], in_dag: set[str]
+                       ) -> dict[str, int]:
+    """One run per job at its newest event's time (a job with downstream jobs starts a DAG
+    run, the others take the plain INSERT); a time taken by another run of the job (a
+    manual trigger at that microsecond) moves one microsecond later."""
     times: dict[str, datetime] = {job: max(e["created_at"] for e in events)
                                   for job, events in chosen.items()}
     runs: dict[str, int] = {}
@@ -301,11 +303,21 @@ async def _create_runs(cur: psycopg.AsyncCursor[dict[str, Any]], conn: AsyncConn
         todo = [job for job in times if job not in runs]
         if not todo:
             break
-        await cur.execute(q("create_runs"), {
-            "jobs": todo, "times": [times[job] for job in todo], "trigger": "dataset",
-            "params": None, "downstream": True, "state": "queued", "priority_offset": 0,
-            "backfill_id": None})
-        for row in await cur.fetchall():
+        rows = []
+        for dag in (False, True):
+            part = [job for job in todo if (job in in_dag) == dag]
+            if not part:
+                continue
+            base = {"jobs": part, "times": [times[job] for job in part], "trigger": "dataset",
+                    "params": None}
+            if dag:
+                await cur.execute(q("create_runs"), {
+                    **base, "downstream": True, "state": "queued", "priority_offset": 0,
+                    "backfill_id": None})
+            else:
+                await cur.execute(q("create_plain_runs"), {**base, "only_lone": False})
+            rows += await cur.fetchall()
+        for row in rows:
             fresh.append(row["id"])
             if row["state"] == "pending":
                 pending.append(row["id"])

@@ -65,7 +65,8 @@ WITH RECURSIVE pairs(job, dataset) AS (
     ORDER BY j.name
     LIMIT %(batch)s
 )
-SELECT j.name, j.trigger_on, j.trigger_mode, j.paused
+SELECT j.name, j.trigger_on, j.trigger_mode, j.paused,
+       EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name) AS in_dag
 FROM pgflow.jobs j
 WHERE j.name IN (SELECT name FROM ready)
 ORDER BY j.name
