@@ -286,6 +286,12 @@ def test_keyed_emits_are_idempotent_from_the_cli(conn: Conn, db_url: str,
     consume(db_url)
     [run] = dataset_runs(conn, "report")
     assert consumed(conn, run["id"]) == [event["id"]]
+    shown = pgflow(db_url, tmp_path, "runs", "show", str(run["id"])).stdout
+    assert "trigger events:" in shown and "2026-01-01" in shown
+    document = json.loads(pgflow(db_url, tmp_path, "runs", "show", str(run["id"]),
+                                 "--json").stdout)
+    assert [(e["id"], e["key"], e["payload"]) for e in document["trigger_events"]] == [
+        (event["id"], "2026-01-01", {"rows": 10})]
 
 
 @pytest.mark.parametrize(("args", "message"), [
