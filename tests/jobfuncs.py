@@ -75,6 +75,13 @@ async def source_down_while(ctx: Any) -> None:
         raise pgflow.SourceUnavailable(ctx.params.get("source", "crm"))
 
 
+async def fail_if(ctx: Any) -> None:
+    """Fails when the run's params say ``fail`` (one job, failing and succeeding runs)."""
+    if ctx.params.get("fail"):
+        raise RuntimeError(f"run {ctx.run_id} told to fail")
+    await asyncio.sleep(float(ctx.params.get("seconds", 0)))
+
+
 TRIGGER_EVENTS: dict[int, list[dict[str, Any]]] = {}
 
 

@@ -10,6 +10,7 @@ handling are in ``_base``, and the groups are added to the root group here.
 from __future__ import annotations
 
 from pgflow.cli import (
+    alerts,
     apply,
     backfill,
     breakers,
@@ -25,6 +26,7 @@ from pgflow.cli import (
 )
 from pgflow.cli._base import cli, main, run
 
+cli.add_command(alerts.alerts_group)
 cli.add_command(apply.apply_command)
 cli.add_command(backfill.backfill_command)
 cli.add_command(breakers.breakers_group)
