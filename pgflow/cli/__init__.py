@@ -14,6 +14,7 @@ from pgflow.cli import (
     apply,
     backfill,
     breakers,
+    datasets,
     db,
     jobs,
     runs,
@@ -29,6 +30,8 @@ cli.add_command(alerts.alerts_group)
 cli.add_command(apply.apply_command)
 cli.add_command(backfill.backfill_command)
 cli.add_command(breakers.breakers_group)
+cli.add_command(datasets.datasets_group)
+cli.add_command(datasets.emit_command)
 cli.add_command(db.db_group)
 cli.add_command(jobs.jobs_group)
 cli.add_command(runs.runs_group)
