@@ -22,6 +22,7 @@ from bench import (
     backfill,
     claim,
     commands,
+    datasets,
     deps,
     fanout,
     history,
@@ -39,7 +40,7 @@ from bench.report import compare, summary_lines, targets
 PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = PROJECT / "bench" / "results"
 FIGURES = ("registration", "throughput", "latency", "fanout", "memory", "claim", "deps",
-           "backfill", "web", "commands", "history", "policies")
+           "backfill", "web", "commands", "history", "policies", "datasets")
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,12 @@ class Plan:
     bf_cap: int = 4
     bf_concurrency: int = 8
     cmd_jobs: int = 2000
+    ds_lat_n: int = 200
 
 
 QUICK = Plan(tp_n=5000, tp_concurrency=[500], lat_n=60, fan_jobs=2000, mem_sleep_s=3.0,
              mem_kinds=["async"], claim_finished=100_000, chain=30, chain_runs=1,
-             fan_width=200, bf_window_s=5.0, cmd_jobs=500)
+             fan_width=200, bf_window_s=5.0, cmd_jobs=500, ds_lat_n=50)
 
 
 def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -90,6 +92,7 @@ def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]
         # Sized by BENCH_DAY_RUNS, BENCH_DAY_RATE, BENCH_HISTORY_MAX (see bench/history.py).
         "history": lambda: history.measure(b),
         "policies": lambda: policies.measure(b, p.tp_n, p.tp_concurrency[-1]),
+        "datasets": lambda: datasets.measure(b, p.ds_lat_n),
     }
 
 

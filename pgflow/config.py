@@ -54,6 +54,8 @@ class Settings(BaseSettings):
                                description="how long finished runs are kept")
     log_limit: Bytes = Field(default=DEFAULT_LOG_LIMIT, ge=MIN_LOG_LIMIT, le=1024**3,
                              description="output kept per attempt (pgflow.live)")
+    public_url: str | None = Field(
+        default=None, description="base URL of the UI, for links in alerts; default http://BIND")
 
     @classmethod
     def settings_customise_sources(
@@ -96,6 +98,20 @@ class Settings(BaseSettings):
             return None
         split_bind(value)
         return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _http_base(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected a URL starting with http:// or https://")
+        return value.rstrip("/")
+
+    @property
+    def ui_url(self) -> str:
+        """Where the UI is reached: ``public_url``, else ``http://<bind>``."""
+        return self.public_url or f"http://{self.bind}"
 
     @field_validator("home")
     @classmethod

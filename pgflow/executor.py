@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import importlib
 import inspect
+import json
 import os
 import signal
 import tempfile
@@ -39,6 +40,7 @@ from pgflow.supervisor import KILL_GRACE_S, Exit
 __all__ = ["KILL_GRACE_S", "AttemptResult", "Execution", "Job"]
 
 TAIL_BYTES = 64 * 1024
+MAX_EVENTS_ENV_BYTES = 100 * 1024
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Job:
     entrypoint: str | None
     timeout_s: float | None
     checkpoint: str | None = None  # JSON text an earlier attempt stored (pgflow.live)
+    trigger_events: str | None = None  # a dataset run's consumed events, JSON text
 
 
 class Tail:
@@ -99,7 +102,9 @@ class Execution:
         self.threads = threads
         self._log_limit = log_limit
         self.ctx = Context(job.run_id, job.job, job.logical_time, job.attempt, job.params, logger,
-                           checkpoint_json=job.checkpoint, report=job.command is None)
+                           job.trigger_events, checkpoint_json=job.checkpoint,
+                           report=job.command is None)
+        self._events_file: str | None = None  # trigger events too big for the environment
         self._stop_outcome: str | None = None
         self._deadline = deadline
         self._command: supervisor.Command | None = None  # a running command
@@ -159,7 +164,30 @@ class Execution:
             "PGFLOW_PARAMS": self.ctx.params_json,
             "PGFLOW_CONTROL": CONTROL_PATH,
             **checkpoint_variables(self.job.checkpoint),
+            **self._trigger_variables(),
         }
+
+    def _trigger_variables(self) -> dict[str, str]:
+        """PGFLOW_TRIGGER_EVENTS for a dataset run; a list too big for one environment
+        variable (Linux caps one at 128 KiB) goes to a file named by
+        PGFLOW_TRIGGER_EVENTS_FILE instead."""
+        if self.job.trigger_events is None:
+            return {}
+        if self._events_file is not None:
+            return {"PGFLOW_TRIGGER_EVENTS_FILE": self._events_file}
+        text = compact_events(self.job.trigger_events)
+        if len(text.encode("utf-8")) <= MAX_EVENTS_ENV_BYTES:
+            return {"PGFLOW_TRIGGER_EVENTS": text}
+        fd, self._events_file = tempfile.mkstemp(prefix="pgflow-events-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        return {"PGFLOW_TRIGGER_EVENTS_FILE": self._events_file}
+
+    def _remove_events_file(self) -> None:
+        if self._events_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._events_file)
+            self._events_file = None
 
     def environment(self) -> dict[str, str]:
         """The whole environment a command of this attempt gets."""
@@ -187,6 +215,7 @@ class Execution:
                 argv, variables, self._deadline, self.job.timeout_s, on_out, on_err,
                 live.control, live.end_control)
         except OSError as exc:
+            self._remove_events_file()
             return AttemptResult(FAILED, error=f"cannot start the command supervisor: {exc}")
         try:
             ended = await self._command.wait()
@@ -196,6 +225,7 @@ class Execution:
             if "PGFLOW_CHECKPOINT_FILE" in variables:
                 with contextlib.suppress(OSError):
                     os.unlink(variables["PGFLOW_CHECKPOINT_FILE"])
+            self._remove_events_file()
         return _command_result(ended, self.job.timeout_s, out.text(), err.text())
 
     # ------------------------------------------------------------ callables
@@ -270,6 +300,11 @@ def checkpoint_variables(checkpoint: str | None) -> dict[str, str]:
     with os.fdopen(fd, "w", encoding="utf-8") as file:
         file.write(checkpoint)
     return {"PGFLOW_CHECKPOINT_FILE": path}
+
+
+def compact_events(events_json: str) -> str:
+    """The claim's JSON text of a run's events, as compact JSON."""
+    return json.dumps(json.loads(events_json), separators=(",", ":"), ensure_ascii=False)
 
 
 def iso_utc(moment: datetime) -> str:

@@ -10,9 +10,11 @@ handling are in ``_base``, and the groups are added to the root group here.
 from __future__ import annotations
 
 from pgflow.cli import (
+    alerts,
     apply,
     backfill,
     breakers,
+    datasets,
     db,
     jobs,
     runs,
@@ -24,9 +26,12 @@ from pgflow.cli import (
 )
 from pgflow.cli._base import cli, main, run
 
+cli.add_command(alerts.alerts_group)
 cli.add_command(apply.apply_command)
 cli.add_command(backfill.backfill_command)
 cli.add_command(breakers.breakers_group)
+cli.add_command(datasets.datasets_group)
+cli.add_command(datasets.emit_command)
 cli.add_command(db.db_group)
 cli.add_command(jobs.jobs_group)
 cli.add_command(runs.runs_group)

@@ -13,10 +13,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from pgflow import backfill, breakers, live, policies, registry, rerun, runs, status
+from pgflow import backfill, breakers, datasets, live, policies, registry, rerun, runs, status
+from pgflow.alerts import outbox
 from pgflow.errors import NotFound
 from pgflow.queries import q
 from pgflow.spec import NAME_PATTERN, JobSpec, parse_job
+from pgflow.web import dataset_views
 from pgflow.web._endpoint import (
     ApiError,
     Call,
@@ -26,6 +28,8 @@ from pgflow.web._endpoint import (
     validation_details,
 )
 from pgflow.web.models import (
+    AlertOverview,
+    AlertTestResult,
     Backfill,
     BackfillList,
     BackfillRequest,
@@ -50,7 +54,7 @@ from pgflow.web.models import (
 MAX_ID = 2**63 - 1
 NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": NAME_PATTERN}
 STATES = list(runs.RUN_STATES)
-TRIGGERS = ["schedule", "manual", "dependency", "backfill"]
+TRIGGERS = ["schedule", "manual", "dependency", "backfill", "dataset"]
 
 JOB_NAME = Param("name", "path", NAME_SCHEMA, "The job's name.", required=True)
 RUN_ID = Param("id", "path", {"type": "integer", "minimum": 1, "maximum": MAX_ID},
@@ -186,6 +190,8 @@ def list_runs(call: Call) -> tuple[int, BaseModel]:
 def get_run(call: Call) -> tuple[int, BaseModel]:
     row = run_row(call.conn, call.args["id"])
     row["attempts"] = call.conn.execute(q("run_attempts"), {"id": row["id"]}).fetchall()
+    if row["trigger"] == "dataset":
+        row["trigger_events"] = datasets.run_events(call.conn, row["id"])[0]
     return 200, RunDetail.model_validate(row)
 
 
@@ -276,7 +282,20 @@ def list_tenants(call: Call) -> tuple[int, BaseModel]:
 def get_status(call: Call) -> tuple[int, BaseModel]:
     report = status.cluster_status(call.conn, call.state.settings.lease_ttl)
     report["open_breakers"] = breakers.open_sources(call.conn)
+    report["incidents_firing"] = outbox.firing(call.conn)["firing"]
     return 200, Status.model_validate(report)
+
+
+def list_alerts(call: Call) -> tuple[int, BaseModel]:
+    return 200, AlertOverview.model_validate(outbox.overview(call.conn,
+                                                             limit=call.args["limit"]))
+
+
+def test_alert(call: Call) -> tuple[int, BaseModel]:
+    result = outbox.send_test(call.conn, call.args["name"], call.state.settings.ui_url)
+    answer = result.answer
+    return 200, AlertTestResult(notification=result.notification_id, ok=answer.ok,
+                                status=answer.status, error=answer.error)
 
 
 # ---------------------------------------------------------------- the table
@@ -375,7 +394,18 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/tenants", "listTenants",
              "Tenants (defined or used by a job): weight, cap, running and queued runs.",
              "viewer", list_tenants, TenantList),
+    Endpoint("GET", "/alerts", "listAlerts",
+             "Alert incidents (firing and recent), alert definitions and the delivery log.",
+             "viewer", list_alerts, AlertOverview, params=(_limit(50, 500),)),
+    Endpoint("POST", "/alerts/{name}/test", "testAlert",
+             "Send a test notification to an alert now; says what the receiver answered"
+             " (ok false: see status or error).", "operator", test_alert, AlertTestResult,
+             params=(Param("name", "path", NAME_SCHEMA, "The alert's name.", required=True),),
+             errors=(404,)),
     Endpoint("GET", "/status", "getStatus",
              "Replicas, the scheduling leader, queue depth and open breakers.", "viewer",
              get_status, Status),
 )
+
+# Datasets (pgflow/web/dataset_views.py): GET /datasets, POST /datasets/{name}/events.
+ENDPOINTS = (*ENDPOINTS, *dataset_views.ENDPOINTS)

@@ -18,7 +18,7 @@ from pgflow.spec import NAME_PATTERN
 
 RunState = Literal["pending", "queued", "running", "retrying", "succeeded", "failed",
                    "cancelled", "upstream_failed"]
-Trigger = Literal["schedule", "manual", "dependency", "backfill"]
+Trigger = Literal["schedule", "manual", "dependency", "backfill", "dataset"]
 Outcome = Literal["succeeded", "failed", "timed_out", "lost", "cancelled", "interrupted"]
 assert set(RunState.__args__) == set(RUN_STATES)  # type: ignore[attr-defined]
 
@@ -165,6 +165,15 @@ class Attempt(_Out):
     stderr_tail: str | None
 
 
+class TriggerEvent(_Out):
+    id: int
+    dataset: str
+    key: str | None
+    payload: dict[str, Any]
+    created_at: datetime
+    producer_run_id: int | None
+
+
 class RunDetail(Run):
     params: dict[str, Any]
     available_at: datetime
@@ -176,6 +185,8 @@ class RunDetail(Run):
     checkpoint_attempt: int | None = Field(
         default=None, description="The attempt that stored the run's checkpoint, if any.")
     checkpoint_at: datetime | None = None
+    trigger_events: list[TriggerEvent] = Field(
+        default_factory=list, description="The dataset events a dataset run consumed.")
 
 
 class TriggerRequest(_In):
@@ -311,6 +322,7 @@ class Status(_Out):
     leader: Leader | None
     queue: Queue
     open_breakers: list[str]
+    incidents_firing: int = Field(default=0, description="Alert incidents firing now.")
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange,
@@ -318,3 +330,65 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, 
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Error, JobList, Job, JobApplied, JobDeleted, RunList, Run, RunDetail, BackfillList, Backfill,
     BreakerList, Breaker, TenantList, Tenant, Status)
+
+
+# ---------------------------------------------------------------- alerts (pgflow/alerts)
+
+
+class Incident(_Out):
+    id: int
+    event: str = Field(description="run_failed, deadline_missed, breaker_opened, backlog,"
+                                   " failure_rate, no_leader or replica_lost.")
+    key: str = Field(description="What it is about: a job, a run id, a source, a replica,"
+                                 " or 'cluster'.")
+    job: str | None = None
+    tenant: str | None = None
+    run_id: int | None = None
+    source: str | None = None
+    runs: list[int] = Field(description="The runs involved (a failure streak's dead letters).")
+    summary: str
+    opened_at: datetime
+    updated_at: datetime
+    resolved_at: datetime | None = Field(description="Null while firing.")
+
+
+class AlertDefinition(_Out):
+    name: str
+    format: str
+    url: str | None = Field(description="Null when the URL is read from url_env (a secret).")
+    url_env: str | None = None
+    secret_env: str | None = None
+    events: list[str]
+    jobs: list[str]
+    tenants: list[str]
+
+
+class Delivery(_Out):
+    id: str = Field(description="The notification id sent as `id` on every try.")
+    alert: str
+    event: str
+    status: str = Field(description="firing or resolved.")
+    delivery: str = Field(description="pending, delivered or given_up (undelivered).")
+    created_at: datetime
+    delivered_at: datetime | None = None
+    attempts: int
+    last_status: int | None = None
+    last_error: str | None = None
+    summary: str | None = None
+
+
+class AlertOverview(_Out):
+    active: list[Incident] = Field(description="Incidents firing now.")
+    recent: list[Incident] = Field(description="Recent incidents, newest first.")
+    alerts: list[AlertDefinition]
+    deliveries: list[Delivery] = Field(description="The delivery log, newest first.")
+
+
+class AlertTestResult(_Out):
+    notification: str
+    ok: bool
+    status: int | None = Field(description="HTTP status the receiver answered.")
+    error: str | None = Field(description="Why there was no answer (timeout, refused...).")
+
+
+RESPONSE_MODELS += (AlertOverview, AlertTestResult)
