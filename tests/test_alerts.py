@@ -182,6 +182,18 @@ def test_a_receiver_answering_500_twice_gets_the_same_id_three_times(
     assert done["last_status"] == 200
 
 
+def test_an_incident_is_resolved_at_a_receiver_only_after_it_fired_there(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    apply_toml(conn, tmp_path / "a.toml", _alert(receiver))
+    receiver.answers["/hook"] = [500, 500]  # the firing notification needs three tries
+    _open_breaker(conn, db_url)
+    breakers.close_breaker(conn, "crm", "fixed", "test")
+    assert evaluate_once(db_url).resolved == {"breaker_opened": 1}
+    deliver(db_url, lambda: all(n["delivery"] == "delivered" for n in notifications(conn)))
+    assert [(b["event"], b["status"]) for b in receiver.bodies()] == [
+        ("breaker_opened", "firing")] * 3 + [("breaker_closed", "resolved")]
+
+
 def test_slack_format_and_signature(conn: Conn, db_url: str, tmp_path: Path,
                                     receiver: Receiver, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_ALERT_SECRET", "s3cret")

@@ -82,6 +82,9 @@ CREATE TABLE pgflow.notifications (
 -- Senders claim due pending rows in this order.
 CREATE INDEX notifications_due_idx ON pgflow.notifications (next_attempt_at)
     WHERE delivery = 'pending';
+-- An incident's notifications reach each alert in order (firing before resolved).
+CREATE INDEX notifications_incident_pending_idx ON pgflow.notifications (incident_id, alert)
+    WHERE delivery = 'pending';
 -- The delivery log (newest first) and retention.
 CREATE INDEX notifications_created_idx ON pgflow.notifications (created_at DESC);
 -- The backlog gauge and the undelivered list.

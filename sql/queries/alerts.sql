@@ -119,15 +119,27 @@ FROM pgflow.leader
 
 -- name: alert_finished_runs
 -- Dead letters and successes since the cursor (runs_finished_idx), after the last run
--- of their job the streak logic saw, in finish order.
-SELECT r.id, r.job, r.tenant, r.state, r.finished_at, r.logical_time, r.attempt, a.error
-FROM pgflow.runs r
-LEFT JOIN pgflow.alert_job_streaks s ON s.job = r.job
-LEFT JOIN pgflow.attempts a ON r.state = 'failed' AND a.run_id = r.id AND a.attempt = r.attempt
-WHERE r.finished_at > %(since)s
-  AND r.state IN ('succeeded', 'failed')
-  AND (s.job IS NULL OR (r.finished_at, r.id) > (s.last_finished_at, s.last_run_id))
-ORDER BY r.finished_at, r.id
+-- of their job the streak logic saw, in finish order. Only the rows that can change a
+-- streak come back: dead letters, and successes of a job with an open streak or a dead
+-- letter in this window (the bulk of a busy cluster's successes stays in the database).
+WITH finished AS (
+    SELECT r.id, r.job, r.tenant, r.state, r.finished_at, r.logical_time, r.attempt
+    FROM pgflow.runs r
+    LEFT JOIN pgflow.alert_job_streaks s ON s.job = r.job
+    WHERE r.finished_at > %(since)s
+      AND r.state IN ('succeeded', 'failed')
+      AND (s.job IS NULL OR (r.finished_at, r.id) > (s.last_finished_at, s.last_run_id))
+), failing AS (
+    SELECT DISTINCT job FROM finished WHERE state = 'failed'
+)
+SELECT f.*, a.error
+FROM finished f
+LEFT JOIN pgflow.attempts a ON f.state = 'failed' AND a.run_id = f.id AND a.attempt = f.attempt
+WHERE f.state = 'failed'
+   OR f.job IN (SELECT job FROM failing)
+   OR EXISTS (SELECT 1 FROM pgflow.incidents i
+              WHERE i.event = 'run_failed' AND i.key = f.job AND i.resolved_at IS NULL)
+ORDER BY f.finished_at, f.id
 LIMIT %(limit)s
 
 -- name: alert_open_streaks
@@ -223,11 +235,17 @@ WHERE p.heartbeat_at < now() - make_interval(secs => %(dead_s)s)
 -- Due pending notifications, pushed one lease ahead: a sender that dies mid-request
 -- leaves them to be retried once the lease passed. At most %(per_alert)s per alert, and
 -- none of the alerts in %(busy)s (already at that many requests on this replica): one
--- receiver that hangs cannot take every slot.
+-- receiver that hangs cannot take every slot. An incident's notifications go to an alert
+-- one after the other, in the order they were made (firing, then resolved: a receiver
+-- never sees an incident resolved before it fired).
 WITH due AS (
-    SELECT id, alert, next_attempt_at FROM pgflow.notifications
+    SELECT id, alert, next_attempt_at FROM pgflow.notifications n
     WHERE delivery = 'pending' AND next_attempt_at <= now()
       AND NOT (alert = ANY(%(busy)s::text[]))
+      AND NOT EXISTS (SELECT 1 FROM pgflow.notifications e
+                      WHERE e.incident_id = n.incident_id AND e.alert = n.alert
+                        AND e.delivery = 'pending'
+                        AND (e.created_at, e.status) < (n.created_at, n.status))
     ORDER BY next_attempt_at
     LIMIT 1000
 ), ranked AS (
