@@ -100,6 +100,9 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 (cmd_ratio or 0) >= 0.5),
         _target("commands", "jobs list wall s under command load", cmd_cli, "< 1",
                 cmd_cli is not None and cmd_cli < 1),
+        *[_target("cli", f"{name} wall s median (idle)", _get(f, "cli", key, "median_s"),
+                  "< 0.25", (_get(f, "cli", key, "median_s") or 1e9) < 0.25)
+          for name, key in (("pgflow --help", "help"), ("pgflow jobs list", "jobs_list"))],
     ]
 
 
@@ -157,6 +160,10 @@ FIGURE_LINES: dict[str, Any] = {
                           f"(drain {_fmt(r.get('backfill_drain_per_s'))} runs/s, overlap "
                           f"{r.get('backfill_max_overlap')} <= cap {r.get('cap')})",
     "web": lambda r: _web_line(r) if r.get("available") else r.get("note", "not available"),
+    "cli": lambda r: f"pgflow --help {_fmt(_get(r, 'help', 'median_s'))} s, jobs list "
+                     f"{_fmt(_get(r, 'jobs_list', 'median_s'))} s (median; python -c pass "
+                     f"{_fmt(_get(r, 'python_startup', 'median_s'))} s, load "
+                     f"{' '.join(r.get('loadavg_before') or [])})",
     "commands": lambda r: f"{_fmt(_get(r, 'one_tick', 'runs_per_s'))} runs/s in one tick vs "
                           f"spawn floor {_fmt(r.get('spawn_floor_per_s'))}/s (ratio "
                           f"{_fmt(r.get('ratio_to_floor'))}), "

@@ -21,6 +21,7 @@ from bench import (
     anchors,
     backfill,
     claim,
+    cli,
     commands,
     deps,
     fanout,
@@ -39,7 +40,7 @@ from bench.report import compare, summary_lines, targets
 PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = PROJECT / "bench" / "results"
 FIGURES = ("registration", "throughput", "latency", "fanout", "memory", "claim", "deps",
-           "backfill", "web", "commands", "history", "policies")
+           "backfill", "web", "commands", "history", "policies", "cli")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]
         # Sized by BENCH_DAY_RUNS, BENCH_DAY_RATE, BENCH_HISTORY_MAX (see bench/history.py).
         "history": lambda: history.measure(b),
         "policies": lambda: policies.measure(b, p.tp_n, p.tp_concurrency[-1]),
+        "cli": lambda: cli.measure(b, calls=5 if b.quick else 11),
     }
 
 
