@@ -47,6 +47,8 @@ class Settings(BaseSettings):
         default="auto", description="auto: console on a terminal, JSON otherwise")
     retention: Seconds = Field(default=DEFAULT_RETENTION_S, gt=0,
                                description="how long finished runs are kept")
+    public_url: str | None = Field(
+        default=None, description="base URL of the UI, for links in alerts; default http://BIND")
 
     @classmethod
     def settings_customise_sources(
@@ -85,6 +87,20 @@ class Settings(BaseSettings):
             return None
         split_bind(value)
         return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _http_base(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("expected a URL starting with http:// or https://")
+        return value.rstrip("/")
+
+    @property
+    def ui_url(self) -> str:
+        """Where the UI is reached: ``public_url``, else ``http://<bind>``."""
+        return self.public_url or f"http://{self.bind}"
 
     @field_validator("home")
     @classmethod

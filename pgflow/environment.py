@@ -100,3 +100,14 @@ def _wipe_original(names: set[str]) -> None:
         if sep and name.decode(errors="replace") in names:
             ctypes.memset(address + len(name) + 1, 0, len(value))
         i += 1
+
+
+def hide(environ: MutableMapping[str, str], names: list[str]) -> list[str]:
+    """Remove ``names`` (alert secrets named by ``[alerts]``: ``pgflow.alerts.secrets``) as
+    ``scrub`` removes pgflow's own variables. Returns the names that were present."""
+    present = sorted(name for name in names if name in environ)
+    if environ is os.environ:
+        _wipe_original(set(present))
+    for name in present:
+        del environ[name]
+    return present

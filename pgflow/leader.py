@@ -21,6 +21,7 @@ of an unpaused job (the ``jobs_due_idx`` index), a NOTIFY on ``pgflow_jobs``
 (definitions changed, paused, resumed) or 1 s, whichever comes first. Every
 scheduling transaction runs *on the lock connection*. A backlog of any size
 is many short passes, so the heartbeat never waits longer than one pass.
+The alert evaluation (pgflow/alerts) runs in that loop too, every few seconds.
 
 Frozen leaders. A leader process that is stopped (SIGSTOP, a debugger, a
 blocked event loop) keeps its session open, so it keeps the lock and nobody
@@ -74,6 +75,7 @@ from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
 from pgflow import backfill, retention, safety_net
+from pgflow.alerts import evaluate as alert_evaluation
 from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
 from pgflow.queries import q
@@ -140,6 +142,8 @@ class Leadership:
         max_sleep: float = MAX_SLEEP,
         retention_s: float = DEFAULT_RETENTION_S,
         net_interval: float = safety_net.INTERVAL_S,
+        public_url: str = "http://127.0.0.1:8080",
+        alert_interval: float = alert_evaluation.INTERVAL_S,
     ) -> None:
         if lease_ttl <= max_sleep:
             raise ValueError(
@@ -153,6 +157,8 @@ class Leadership:
         self.max_sleep = max_sleep
         self.net_interval = net_interval  # how often the safety net runs (safety_net.py)
         self.retention_s = retention_s  # finished runs older than this are pruned (retention.py)
+        self.public_url = public_url  # links in alert notifications (pgflow.alerts)
+        self.alert_interval = alert_interval
         self._log = log.bind(component="scheduler", replica_id=replica_id)
         self._term: int | None = None
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
@@ -222,6 +228,7 @@ class Leadership:
         await conn.execute(q("listen_jobs"))
         net = _NetSchedule(self.net_interval)
         pruner = retention.Pruner(self.retention_s, replica_id=self.replica_id)
+        alerting = alert_evaluation.Schedule(self.alert_interval)
         try:
             while not stop.is_set():
                 result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
@@ -234,6 +241,9 @@ class Leadership:
                     await net.run(conn, self.lease_ttl, self._log)
                 if pruner.due():
                     await pruner.run(conn, self._log)
+                if alerting.due():
+                    await alerting.run(conn, public_url=self.public_url,
+                                       lease_ttl=self.lease_ttl, log=self._log)
                 if not result.more and not pruner.behind:  # a prune backlog: go on
                     await self._wait_for_work(conn, stop, result)
         except _LostLeadership:
@@ -302,9 +312,11 @@ async def run_scheduler(
     stop: asyncio.Event,
     log: structlog.stdlib.BoundLogger | Any,
     retention_s: float = DEFAULT_RETENTION_S,
+    public_url: str = "http://127.0.0.1:8080",
 ) -> None:
     """The scheduler role of ``pgflow serve``: runs until ``stop`` is set."""
-    await Leadership(url, replica_id, lease_ttl, log, retention_s=retention_s).run(stop)
+    await Leadership(url, replica_id, lease_ttl, log, retention_s=retention_s,
+                     public_url=public_url).run(stop)
 
 
 async def _fetch_value(conn: AsyncConnection[Any], query: str, params: dict[str, Any]) -> Any:

@@ -51,6 +51,7 @@ from prometheus_client.core import (
 from psycopg_pool import PoolTimeout
 
 from pgflow import queue_health
+from pgflow.alerts import metrics as alert_metrics
 from pgflow.queries import q
 from pgflow.safety_net import KINDS as REPAIR_KINDS
 from pgflow.status import ALIVE_TTLS
@@ -123,6 +124,7 @@ class Metrics:
                          1.0 if row is not None else 0.0)
             if row is not None:
                 yield from _gauges(row, self._lease_ttl)
+                yield from alert_metrics.gauges(row["alerts"])
             yield from self._counters()
             errors = CounterMetricFamily("pgflow_metrics_scrape_errors",
                                          "Scrapes that could not read the database.")
@@ -143,6 +145,7 @@ class Metrics:
             moves = conn.execute(q("breaker_transition_counts")).fetchall()
             # Queue health: dead tuples, vacuum, xmin horizon (statistics views only).
             health = queue_health.read(conn)
+            alerting = alert_metrics.scrape(conn)  # open incidents, notification backlog
             row = conn.execute(q("metrics_scrape"), {
                 "since": self._since, "settle": self._settle_s,
                 "alive_s": ALIVE_TTLS * self._lease_ttl,
@@ -155,6 +158,7 @@ class Metrics:
         row["breaker_states"] = states
         row["breaker_moves"] = moves
         row["health"] = health
+        row["alerts"] = alerting
         for f in row["finished"]:
             self._finished[(f["job"], f["tenant"], f["outcome"])] += f["n"]
         for a in row["attempts"]:

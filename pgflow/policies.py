@@ -61,6 +61,7 @@ from typing import Annotated, Any
 import psycopg
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from pgflow.alerts.definitions import AlertSpec
 from pgflow.queries import q
 from pgflow.spec import NAME_PATTERN, Seconds, SpecError, did_you_mean
 
@@ -101,7 +102,8 @@ class SourceSpec(BaseModel):
         return self.model_dump(mode="json")
 
 
-_MODELS: dict[str, type[BaseModel]] = {"tenant": TenantSpec, "source": SourceSpec}
+_MODELS: dict[str, type[BaseModel]] = {"tenant": TenantSpec, "source": SourceSpec,
+                                       "alert": AlertSpec}
 
 
 def parse(kind: str, name: str, raw: Any) -> tuple[BaseModel | None, list[SpecError]]:
@@ -132,14 +134,16 @@ def parse(kind: str, name: str, raw: Any) -> tuple[BaseModel | None, list[SpecEr
 
 @dataclass
 class Policies:
-    """The tenants and sources a registration defines."""
+    """The tenants, sources and alerts a registration defines."""
 
     tenants: list[TenantSpec] = field(default_factory=list)
     sources: list[SourceSpec] = field(default_factory=list)
+    alerts: list[AlertSpec] = field(default_factory=list)
 
     def extend(self, other: Policies) -> None:
         self.tenants += other.tenants
         self.sources += other.sources
+        self.alerts += other.alerts
 
 
 def parse_tables(document: dict[str, Any], origin: str) -> tuple[Policies, list[SpecError]]:
@@ -147,7 +151,8 @@ def parse_tables(document: dict[str, Any], origin: str) -> tuple[Policies, list[
     found = Policies()
     errors: list[SpecError] = []
     for key, kind, target in (("tenants", "tenant", found.tenants),
-                              ("sources", "source", found.sources)):
+                              ("sources", "source", found.sources),
+                              ("alerts", "alert", found.alerts)):
         table = document.get(key, {})
         if not isinstance(table, dict):
             errors.append(SpecError(kind=kind, job=key, key=None,
@@ -162,7 +167,7 @@ def parse_tables(document: dict[str, Any], origin: str) -> tuple[Policies, list[
     return found, errors
 
 
-TABLES = ("tenants", "sources")
+TABLES = ("tenants", "sources", "alerts")
 
 
 def load_files(sources: Sequence[str]) -> tuple[Policies, list[SpecError]]:
@@ -193,7 +198,8 @@ def duplicates(policies: Policies | None) -> list[SpecError]:
     if policies is None:
         return []
     errors = []
-    for kind, specs in (("tenant", policies.tenants), ("source", policies.sources)):
+    for kind, specs in (("tenant", policies.tenants), ("source", policies.sources),
+                        ("alert", policies.alerts)):
         seen: set[str] = set()
         for spec in specs:
             if spec.name in seen:
@@ -227,7 +233,8 @@ def write(conn: psycopg.Connection[Any], policies: Policies | None, *,
 def _write_tables(conn: psycopg.Connection[Any], policies: Policies, prune: bool,
                   result: PolicyResult) -> None:
     for kind, table, specs in (("tenant", "tenants", policies.tenants),
-                               ("source", "sources", policies.sources)):
+                               ("source", "sources", policies.sources),
+                               ("alert", "alerts", policies.alerts)):
         existing = {row["name"]: row["definition"]
                     for row in conn.execute(q(f"policy_{table}_snapshot"))}
         changed = []
@@ -250,7 +257,7 @@ def _write_tables(conn: psycopg.Connection[Any], policies: Policies, prune: bool
 
 
 def _row(spec: BaseModel) -> dict[str, Any]:
-    row = spec.model_dump(mode="json")
+    row = spec.row() if isinstance(spec, AlertSpec) else spec.model_dump(mode="json")
     if isinstance(spec, SourceSpec):
         row["cooldown_s"] = row.pop("cooldown")
     row["definition"] = spec.definition()  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ behind a claim, nor a claim behind a batch of completions):
 role                          connection             kind        why
 ============================  =====================  ==========  ==========================
 every replica                 replica heartbeat      poolable    one UPDATE every TTL/3
+every replica                 alert sender           poolable    one claim a second (alerts/)
 scheduler (leader or standby) lock session           **direct**  session advisory lock
 worker                        claim                  poolable    one statement / transaction
 worker                        completions            poolable    one transaction per flush
@@ -22,8 +23,8 @@ web                           pool of 1 to 10        poolable    one statement p
 CLI command, ``serve`` start  one                    poolable    migrations: direct
 ============================  =====================  ==========  ==========================
 
-So an all-roles replica holds 2 direct and 6 to 15 poolable connections, a worker-only
-replica 1 direct and 4 poolable. Without ``PGFLOW_POOLER_URL`` every one of them goes
+So an all-roles replica holds 2 direct and 7 to 16 poolable connections, a worker-only
+replica 1 direct and 5 poolable. Without ``PGFLOW_POOLER_URL`` every one of them goes
 to ``PGFLOW_DATABASE_URL``; with it, only the direct ones do, and PostgreSQL sees one
 lock session per scheduler-role replica, one LISTEN session per worker-role replica and
 PgBouncer's pool, however many replicas there are.

@@ -62,7 +62,7 @@ def load_toml(path: Path) -> tuple[list[JobSpec], list[SpecError]]:
         raise PgflowError(
             f"{path}: unknown top-level key(s) {', '.join(map(repr, unknown))}:"
             " job definitions go in [jobs.<name>] tables (and [tenants.<name>],"
-            " [sources.<name>])"
+            " [sources.<name>], [alerts.<name>])"
         )
     jobs = document.get("jobs", {})
     if not isinstance(jobs, dict):
@@ -309,6 +309,7 @@ def _row(spec: JobSpec, old: dict[str, Any] | None, now: datetime) -> dict[str, 
         "entrypoint": spec.entrypoint,
         "priority": spec.priority,
         "timeout_s": spec.timeout,
+        "deadline_s": spec.deadline,
         "max_active_runs": spec.max_active_runs,
         "catchup": spec.catchup,
         "sources": spec.sources,

@@ -206,6 +206,7 @@ def run_once(conn: psycopg.Connection[Any], retention_s: float, *, now: datetime
         with conn.transaction():
             found.backfills = len(cur.execute(q("prune_backfills"),
                                               _cutoff_params(retention_s, now)).fetchall())
+            cur.execute(q("prune_alert_history"), _cutoff_params(retention_s, now))
     found.seconds = time.monotonic() - started
     return found
 
@@ -234,6 +235,7 @@ async def run_once_async(conn: psycopg.AsyncConnection[Any], retention_s: float,
         async with conn.transaction():
             await cur.execute(q("prune_backfills"), _cutoff_params(retention_s, now))
             found.backfills = len(await cur.fetchall())
+            await cur.execute(q("prune_alert_history"), _cutoff_params(retention_s, now))
     found.seconds = time.monotonic() - started
     return found
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pgflow import environment, health, reaper, supervisor
+from pgflow.alerts import outbox as alert_outbox
+from pgflow.alerts import secrets as alert_secrets
 from pgflow.config import DEFAULT_RETENTION_S, Settings
 from pgflow.errors import PgflowError
 from pgflow.leader import run_scheduler
@@ -91,6 +93,8 @@ def hide_secrets(options: ServeOptions) -> ServeOptions:
     url = environment.pin_libpq(options.url, os.environ)
     pooler = options.pooler_url and environment.pin_libpq(options.pooler_url, os.environ)
     key = {k: os.environ[k] for k in ("PGFLOW_SECRET_KEY",) if k in os.environ}
+    # url_env/secret_env of [alerts]: for the senders only
+    alert_secrets.capture(os.environ, pooler or url, pooled=bool(pooler))
     environment.scrub(os.environ)
     return replace(options, url=url, pooler_url=pooler or None,
                    secret_env={**key, **options.secret_env})
@@ -112,8 +116,11 @@ async def _serve(options: ServeOptions) -> str | None:
     if "scheduler" in options.roles:
         tasks.append(_supervised("scheduler", lambda: run_scheduler(
             options.url, replica.id, options.lease_ttl, stop_scheduling, log,
-            retention_s=options.retention),
+            retention_s=options.retention, public_url=options.settings.ui_url),
             stop_scheduling, log))
+    tasks.append(_supervised("alerts", lambda: alert_outbox.run_sender(  # every replica
+        options.pooled_url, public_url=options.settings.ui_url, lease_ttl=options.lease_ttl,
+        stop=stop, log=log, pooled=options.pooled), stop, log))
     if "reaper" in options.roles:
         tasks.append(_supervised("reaper", lambda: reaper.run_reaper(
             options.pooled_url, options.lease_ttl, stop, log, pooled=options.pooled),

@@ -68,6 +68,7 @@ class JobSpec(BaseModel):
     tenant: Name = "default"
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)
     timeout: Seconds | None = None
+    deadline: Seconds | None = None  # a run not succeeded by logical time + this: deadline_missed
     max_active_runs: int | None = Field(default=None, ge=1, le=1_000_000)
     catchup: Literal["latest", "all", "none"] = "latest"
     sources: list[Name] = Field(default_factory=list, max_length=100)
@@ -102,6 +103,13 @@ class JobSpec(BaseModel):
     def _positive_timeout(cls, value: float | None) -> float | None:
         if value is not None and value <= 0:
             raise ValueError("timeout must be longer than 0s")
+        return value
+
+    @field_validator("deadline")
+    @classmethod
+    def _positive_deadline(cls, value: float | None) -> float | None:
+        if value is not None and value <= 0:
+            raise ValueError("deadline must be longer than 0s")
         return value
 
     @field_validator("depends_on", "sources")

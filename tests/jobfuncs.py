@@ -73,3 +73,10 @@ async def source_down_while(ctx: Any) -> None:
     await asyncio.sleep(float(ctx.params.get("seconds", 0)))
     if Path(ctx.params["down"]).exists():
         raise pgflow.SourceUnavailable(ctx.params.get("source", "crm"))
+
+
+async def fail_if(ctx: Any) -> None:
+    """Fails when the run's params say ``fail`` (one job, failing and succeeding runs)."""
+    if ctx.params.get("fail"):
+        raise RuntimeError(f"run {ctx.run_id} told to fail")
+    await asyncio.sleep(float(ctx.params.get("seconds", 0)))

@@ -315,11 +315,13 @@ def test_a_frozen_replica_command_dies_at_its_lease_deadline_before_the_retry(
         conn: Conn, db_url: str, tmp_path: Path, replicas: Replicas, freeze: str) -> None:
     pid_file, child_file = tmp_path / "pid1", tmp_path / "child1"
     # Attempt 1 runs until killed; attempt 2 reports whether any process of attempt 1
-    # is still alive while it runs.
-    script = (f'if [ "$PGFLOW_ATTEMPT" = 1 ]; then {save_pid(pid_file)};'
+    # is still alive while it runs. A zombie is dead: `kill -0` would count it, and an
+    # orphan's zombie waits for pid 1, which may be slow to reap on a loaded machine.
+    alive = "alive() { [ -r /proc/$1/status ] && ! grep -q '^State:.*[ZX]' /proc/$1/status; };"
+    script = (f'{alive} if [ "$PGFLOW_ATTEMPT" = 1 ]; then {save_pid(pid_file)};'
               f" sleep 300 & {save_pid(child_file, '$!')}; wait; fi;"
-              f' if kill -0 "$(cat {pid_file})" 2>/dev/null ||'
-              f' kill -0 "$(cat {child_file})" 2>/dev/null; then echo overlap; else echo alone; fi')
+              f' if alive "$(cat {pid_file})" || alive "$(cat {child_file})";'
+              " then echo overlap; else echo alone; fi")
     add_job(conn, "frozen", command=["/bin/sh", "-c", script], retry=FAST_RETRY)
     first = replicas.start("a")
     first.id(conn)

@@ -63,7 +63,7 @@ def test_a_worker_only_replica_answers_liveness_and_readiness(
     port = free_port()
     worker(group, port)
     assert wait_answer(port, "/healthz", 200) == {
-        "status": "ok", "roles": {"heartbeat": True, "worker": True}}
+        "status": "ok", "roles": {"heartbeat": True, "alerts": True, "worker": True}}
     assert wait_answer(port, "/readyz", 200) == {"status": "ready"}
     assert probe(port, "/healthz", method="HEAD") == (200, {})
     not_found = probe(port, "/metrics")
@@ -82,8 +82,8 @@ def test_readiness_follows_the_database_and_liveness_does_not(
     private_cluster.kill()
     down = wait_answer(port, "/readyz", 503)
     assert down["status"] == "unavailable" and down["reason"].startswith("database: ")
-    assert probe(port, "/healthz") == (200, {"status": "ok",
-                                              "roles": {"heartbeat": True, "worker": True}})
+    assert probe(port, "/healthz") == (200, {"status": "ok", "roles": {
+        "heartbeat": True, "alerts": True, "worker": True}})
     private_cluster.start()
     assert wait_answer(port, "/readyz", 200) == {"status": "ready"}
 

@@ -15,6 +15,8 @@ from pgflow.cli._lazy import LazyCommand as C
 
 # name -> ("module:attr", first sentence of its docstring: the short help of --help).
 COMMANDS: dict[str, C] = {
+    "alerts": C("pgflow.cli.alerts:alerts_group",
+                "Alert incidents and webhook notifications ([alerts.NAME] tables)."),
     "apply": C("pgflow.cli.apply:apply_command",
                "Register jobs (and tenants, sources) from TOML files, folders of them, or"
                " module:attr."),

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from pgflow import breakers, status
+from pgflow.alerts import outbox
 from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
 
 
@@ -20,6 +21,7 @@ def status_command(ctx: Ctx, as_json: bool) -> None:
     report["breakers"] = [b for b in breakers.list_breakers(ctx.conn())
                           if b["state"] != "closed" or b["failures"]]
     report["breaker_transitions"] = breakers.recent_transitions(ctx.conn(), 10)
+    report["incidents"] = outbox.firing(ctx.conn())  # open alert incidents (pgflow.alerts)
     if as_json:
         emit_json(report)
         return
@@ -33,6 +35,7 @@ def status_command(ctx: Ctx, as_json: bool) -> None:
     queue = report["queue"]
     totals = ", ".join(f"{state} {n}" for state, n in queue["by_state"].items())
     click.echo(f"queue: {totals}; dead letters {queue['dead_letters']}")
+    click.echo(f"alerts: {report['incidents']['firing']} incident(s) firing")
     if queue["by_tenant"]:
         emit_table(queue["by_tenant"], ["state", "tenant", "runs"])
     if report["breakers"]:

@@ -18,6 +18,7 @@ from starlette.responses import RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
 from pgflow import tokens
+from pgflow.alerts import outbox
 from pgflow.cron import CronError, load_timezone
 from pgflow.errors import NotFound, PgflowError
 from pgflow.web import svg
@@ -156,6 +157,8 @@ def page(request: Request, template: str,
             if viewer is None:
                 return RedirectResponse("/login?next=" + quote(here(request), safe=""), 303)
             context = build(conn, viewer)
+            if isinstance(context, dict):  # the firing-incident banner (pgflow.alerts)
+                context.setdefault("firing", outbox.banner(conn))
     except NotFound as exc:
         return error_page(request, 404, str(exc), viewer)
     except PgflowError as exc:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from pgflow import backfill, breakers, policies, registry, runs, status
+from pgflow.alerts import outbox
 from pgflow.errors import NotFound
 from pgflow.queries import q
 from pgflow.spec import NAME_PATTERN, JobSpec, parse_job
@@ -24,6 +25,8 @@ from pgflow.web._endpoint import (
     validation_details,
 )
 from pgflow.web.models import (
+    AlertOverview,
+    AlertTestResult,
     Backfill,
     BackfillList,
     BackfillRequest,
@@ -247,7 +250,20 @@ def list_tenants(call: Call) -> tuple[int, BaseModel]:
 def get_status(call: Call) -> tuple[int, BaseModel]:
     report = status.cluster_status(call.conn, call.state.settings.lease_ttl)
     report["open_breakers"] = breakers.open_sources(call.conn)
+    report["incidents_firing"] = outbox.firing(call.conn)["firing"]
     return 200, Status.model_validate(report)
+
+
+def list_alerts(call: Call) -> tuple[int, BaseModel]:
+    return 200, AlertOverview.model_validate(outbox.overview(call.conn,
+                                                             limit=call.args["limit"]))
+
+
+def test_alert(call: Call) -> tuple[int, BaseModel]:
+    result = outbox.send_test(call.conn, call.args["name"], call.state.settings.ui_url)
+    answer = result.answer
+    return 200, AlertTestResult(notification=result.notification_id, ok=answer.ok,
+                                status=answer.status, error=answer.error)
 
 
 # ---------------------------------------------------------------- the table
@@ -328,6 +344,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/tenants", "listTenants",
              "Tenants (defined or used by a job): weight, cap, running and queued runs.",
              "viewer", list_tenants, TenantList),
+    Endpoint("GET", "/alerts", "listAlerts",
+             "Alert incidents (firing and recent), alert definitions and the delivery log.",
+             "viewer", list_alerts, AlertOverview, params=(_limit(50, 500),)),
+    Endpoint("POST", "/alerts/{name}/test", "testAlert",
+             "Send a test notification to an alert now; says what the receiver answered"
+             " (ok false: see status or error).", "operator", test_alert, AlertTestResult,
+             params=(Param("name", "path", NAME_SCHEMA, "The alert's name.", required=True),),
+             errors=(404,)),
     Endpoint("GET", "/status", "getStatus",
              "Replicas, the scheduling leader, queue depth and open breakers.", "viewer",
              get_status, Status),

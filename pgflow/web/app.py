@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pgflow import migrate, tokens
 from pgflow.config import Settings
 from pgflow.metrics import Metrics
-from pgflow.web import actions, pages
+from pgflow.web import actions, alerts_page, pages
 from pgflow.web._endpoint import asgi_endpoint, error_response
 from pgflow.web._session import LOCAL_TZ_SCRIPT, error_page
 from pgflow.web._state import WebState, new_pool, web_state
@@ -199,6 +199,8 @@ def routes() -> list[Route]:
         Route("/backfills/{id}/cancel", a.cancel_backfill, methods=["POST"]),
         Route("/replicas", p.replicas_page),
         Route("/breakers", p.breakers_page),
+        Route("/alerts", alerts_page.alerts_page),
+        Route("/alerts/{name}/test", alerts_page.test_alert, methods=["POST"]),
         Route("/breakers/{source}/open", a.open_breaker, methods=["POST"]),
         Route("/breakers/{source}/close", a.close_breaker, methods=["POST"]),
         Route("/tenants", p.tenants_page),

@@ -295,9 +295,72 @@ class Status(_Out):
     leader: Leader | None
     queue: Queue
     open_breakers: list[str]
+    incidents_firing: int = Field(default=0, description="Alert incidents firing now.")
 
 
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Error, JobList, Job, JobApplied, JobDeleted, RunList, Run, RunDetail, BackfillList, Backfill,
     BreakerList, Breaker, TenantList, Tenant, Status)
+
+
+# ---------------------------------------------------------------- alerts (pgflow/alerts)
+
+
+class Incident(_Out):
+    id: int
+    event: str = Field(description="run_failed, deadline_missed, breaker_opened, backlog,"
+                                   " failure_rate, no_leader or replica_lost.")
+    key: str = Field(description="What it is about: a job, a run id, a source, a replica,"
+                                 " or 'cluster'.")
+    job: str | None = None
+    tenant: str | None = None
+    run_id: int | None = None
+    source: str | None = None
+    runs: list[int] = Field(description="The runs involved (a failure streak's dead letters).")
+    summary: str
+    opened_at: datetime
+    updated_at: datetime
+    resolved_at: datetime | None = Field(description="Null while firing.")
+
+
+class AlertDefinition(_Out):
+    name: str
+    format: str
+    url: str | None = Field(description="Null when the URL is read from url_env (a secret).")
+    url_env: str | None = None
+    secret_env: str | None = None
+    events: list[str]
+    jobs: list[str]
+    tenants: list[str]
+
+
+class Delivery(_Out):
+    id: str = Field(description="The notification id sent as `id` on every try.")
+    alert: str
+    event: str
+    status: str = Field(description="firing or resolved.")
+    delivery: str = Field(description="pending, delivered or given_up (undelivered).")
+    created_at: datetime
+    delivered_at: datetime | None = None
+    attempts: int
+    last_status: int | None = None
+    last_error: str | None = None
+    summary: str | None = None
+
+
+class AlertOverview(_Out):
+    active: list[Incident] = Field(description="Incidents firing now.")
+    recent: list[Incident] = Field(description="Recent incidents, newest first.")
+    alerts: list[AlertDefinition]
+    deliveries: list[Delivery] = Field(description="The delivery log, newest first.")
+
+
+class AlertTestResult(_Out):
+    notification: str
+    ok: bool
+    status: int | None = Field(description="HTTP status the receiver answered.")
+    error: str | None = Field(description="Why there was no answer (timeout, refused...).")
+
+
+RESPONSE_MODELS += (AlertOverview, AlertTestResult)

@@ -13,17 +13,17 @@ GROUP BY j.name
 -- name: upsert_jobs
 INSERT INTO pgflow.jobs AS j (name, tenant, schedule, timezone, command, entrypoint, priority,
     timeout_s, max_active_runs, catchup, sources, params, max_attempts, backoff_s, max_backoff_s,
-    jitter, no_retry_exit_codes, next_fire_at, definition)
+    jitter, no_retry_exit_codes, next_fire_at, definition, deadline_s)
 SELECT r.name, r.tenant, r.schedule, r.timezone, r.command, r.entrypoint, r.priority,
     r.timeout_s, r.max_active_runs, r.catchup,
     ARRAY(SELECT jsonb_array_elements_text(r.sources)), r.params, r.max_attempts, r.backoff_s,
     r.max_backoff_s, r.jitter, ARRAY(SELECT jsonb_array_elements_text(r.no_retry_exit_codes))::int[],
-    r.next_fire_at, r.definition
+    r.next_fire_at, r.definition, r.deadline_s
 FROM jsonb_to_recordset(%(rows)s::jsonb) AS r(name text, tenant text, schedule text,
     timezone text, command jsonb, entrypoint text, priority int, timeout_s float8,
     max_active_runs int, catchup text, sources jsonb, params jsonb, max_attempts int,
     backoff_s float8, max_backoff_s float8, jitter bool, no_retry_exit_codes jsonb,
-    next_fire_at timestamptz, definition jsonb)
+    next_fire_at timestamptz, definition jsonb, deadline_s float8)
 ON CONFLICT (name) DO UPDATE SET
     tenant = EXCLUDED.tenant, schedule = EXCLUDED.schedule, timezone = EXCLUDED.timezone,
     command = EXCLUDED.command, entrypoint = EXCLUDED.entrypoint, priority = EXCLUDED.priority,
@@ -31,7 +31,7 @@ ON CONFLICT (name) DO UPDATE SET
     catchup = EXCLUDED.catchup, sources = EXCLUDED.sources, params = EXCLUDED.params,
     max_attempts = EXCLUDED.max_attempts, backoff_s = EXCLUDED.backoff_s,
     max_backoff_s = EXCLUDED.max_backoff_s, jitter = EXCLUDED.jitter,
-    no_retry_exit_codes = EXCLUDED.no_retry_exit_codes,
+    no_retry_exit_codes = EXCLUDED.no_retry_exit_codes, deadline_s = EXCLUDED.deadline_s,
     -- Same schedule: keep the row's current fire time (the scheduler may have advanced it
     -- since the registry read it), so re-registering never repeats or skips a tick.
     next_fire_at = CASE WHEN j.schedule IS NOT DISTINCT FROM EXCLUDED.schedule

@@ -142,3 +142,37 @@ ON CONFLICT (singleton) DO UPDATE SET
 SELECT retention_s, replica_id, last_pass_at, last_pass_runs, pruned_runs, pruned_backfills,
        round(extract(epoch FROM now() - last_pass_at)::numeric, 3)::float8 AS last_pass_age_s
 FROM pgflow.retention
+
+-- name: prune_alert_history
+-- Notifications (delivered or given up) and resolved incidents older than the cutoff
+-- (pgflow/alerts): bounded batches, like backfills.
+WITH notes AS (
+    DELETE FROM pgflow.notifications n
+    WHERE n.id IN (
+        SELECT x.id FROM pgflow.notifications x
+        WHERE x.created_at < coalesce(%(now)s::timestamptz, now())
+                             - make_interval(secs => %(retention_s)s)
+          AND x.delivery <> 'pending'
+        ORDER BY x.created_at
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED)
+    RETURNING n.id
+), incidents AS (
+    DELETE FROM pgflow.incidents i
+    WHERE i.id IN (
+        SELECT x.id FROM pgflow.incidents x
+        WHERE x.resolved_at < coalesce(%(now)s::timestamptz, now())
+                              - make_interval(secs => %(retention_s)s)
+        ORDER BY x.resolved_at
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED)
+    RETURNING i.id
+), streaks AS (  -- the streak marks of jobs deleted long ago
+    DELETE FROM pgflow.alert_job_streaks s
+    WHERE s.last_finished_at < coalesce(%(now)s::timestamptz, now())
+                               - make_interval(secs => %(retention_s)s)
+      AND NOT EXISTS (SELECT 1 FROM pgflow.jobs j WHERE j.name = s.job)
+    RETURNING s.job
+)
+SELECT (SELECT count(*) FROM notes) AS notifications, (SELECT count(*) FROM incidents) AS incidents,
+       (SELECT count(*) FROM streaks) AS streaks

@@ -29,6 +29,9 @@ def world(conn: Conn) -> dict[str, Any]:
     add_job(conn, "c", entrypoint="jobfuncs:fail")
     dead = finished_run(conn, "c", T0, "failed")
     breakers.open_breaker(conn, "dock", "closed for the test", "tests")
+    # An alert "c" whose receiver refuses connections (POST /alerts/c/test answers ok: false).
+    conn.execute("INSERT INTO pgflow.alerts (name, url, events, definition)"
+                 " VALUES ('c', 'http://127.0.0.1:9/', '{run_failed}', '{}')")
     return {"dead": dead, "queued": enqueue(conn, "a", T0 + timedelta(hours=1))}
 
 
