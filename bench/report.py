@@ -83,6 +83,7 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     drain99 = _get(f, "backfill", "while_backfill_drains_ms", "p99")
     cmd_ratio = _get(f, "commands", "ratio_to_floor")
     cmd_cli = _get(f, "commands", "cli_under_load", "wall_s_max")
+    ds_drain = _get(f, "datasets", "burst_live", "last_emit_to_all_consumed_and_finished_s")
     return [
         _target("registration", "apply 10,000 jobs (s)", reg, "< 5", reg is not None
                 and reg < 5),
@@ -117,6 +118,9 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         *[_target("cli", f"{name} wall s median (idle)", _get(f, "cli", key, "median_s"),
                   "< 0.25", (_get(f, "cli", key, "median_s") or 1e9) < 0.25)
           for name, key in (("pgflow --help", "help"), ("pgflow jobs list", "jobs_list"))],
+        _target("datasets", "10,000-event burst: last emit -> all consumed (s)", ds_drain,
+                "< 10 s, each event once", ds_drain is not None and ds_drain < 10
+                and bool(_get(f, "datasets", "exactly_once"))),
     ]
 
 
@@ -146,6 +150,16 @@ def _claim_line(c: dict[str, Any]) -> str:
             " claimable-index blocks "
             f"{empty.get('claimable_scan_blocks')} -> {full.get('claimable_scan_blocks')}, all "
             f"{empty.get('shared_hit_blocks')} -> {full.get('shared_hit_blocks')}")
+
+
+def _datasets_line(r: dict[str, Any]) -> str:
+    live, paused = r.get("burst_live") or {}, r.get("burst_paused") or {}
+    return (f"event->run start {_ms(_get(r, 'latency', 'ms'))}; 10,000-event burst:"
+            f" {live.get('runs')} runs, all consumed"
+            f" {_fmt(live.get('last_emit_to_all_consumed_and_finished_s'))} s after the last"
+            f" emit; paused burst -> {paused.get('runs')} run in"
+            f" {_fmt(paused.get('resume_to_run_finished_s'))} s; exactly once:"
+            f" {r.get('exactly_once')}")
 
 
 def _web_line(r: dict[str, Any]) -> str:
@@ -189,6 +203,7 @@ FIGURE_LINES: dict[str, Any] = {
                           f"{_fmt(_get(r, 'one_tick', 'cpu_ms_per_attempt'))} CPU ms/attempt; "
                           f"jobs list {_fmt(_get(r, 'cli_under_load', 'wall_s_max'))} s max "
                           "under load",
+    "datasets": lambda r: _datasets_line(r),
 }
 
 

@@ -34,11 +34,12 @@ class Context:
     runs never touch either, and both cost more than the rest of their bookkeeping).
     """
 
-    __slots__ = ("_cancelled", "_params", "_params_json", "attempt", "job", "logger",
-                 "logical_time", "run_id")
+    __slots__ = ("_cancelled", "_events", "_events_json", "_params", "_params_json", "attempt",
+                 "job", "logger", "logical_time", "run_id")
 
     def __init__(self, run_id: int, job: str, logical_time: datetime, attempt: int,
-                 params: dict[str, Any] | str, logger: Any) -> None:
+                 params: dict[str, Any] | str, logger: Any,
+                 trigger_events: list[dict[str, Any]] | str | None = None) -> None:
         self.run_id = run_id
         self.job = job
         self.logical_time = logical_time
@@ -47,6 +48,8 @@ class Context:
         self._params: dict[str, Any] | None = params if isinstance(params, dict) else None
         self._params_json = params if isinstance(params, str) else None
         self._cancelled: threading.Event | None = None
+        self._events = trigger_events if isinstance(trigger_events, list) else None
+        self._events_json = trigger_events if isinstance(trigger_events, str) else None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -59,6 +62,14 @@ class Context:
         if self._params_json is None:
             self._params_json = json.dumps(self._params)
         return self._params_json
+
+    @property
+    def trigger_events(self) -> list[dict[str, Any]]:
+        """The dataset events a dataset-triggered run consumed (``{dataset, id, key,
+        payload}``, oldest first); empty for other runs."""
+        if self._events is None:
+            self._events = json.loads(self._events_json or "[]")
+        return self._events
 
     @property
     def cancelled(self) -> threading.Event:

@@ -16,10 +16,13 @@ Their environment is ``pgflow.environment.job_base`` plus the run's variables.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
+import json
 import os
 import signal
+import tempfile
 import traceback
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -36,6 +39,7 @@ from pgflow.supervisor import KILL_GRACE_S, Exit
 __all__ = ["KILL_GRACE_S", "AttemptResult", "Execution", "Job"]
 
 TAIL_BYTES = 64 * 1024
+MAX_EVENTS_ENV_BYTES = 100 * 1024
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class Job:
     command: list[str] | str | None
     entrypoint: str | None
     timeout_s: float | None
+    trigger_events: str | None = None  # a dataset run's consumed events, JSON text
 
 
 class Tail:
@@ -92,7 +97,9 @@ class Execution:
         self.job = job
         self.logger = logger
         self.threads = threads
-        self.ctx = Context(job.run_id, job.job, job.logical_time, job.attempt, job.params, logger)
+        self.ctx = Context(job.run_id, job.job, job.logical_time, job.attempt, job.params, logger,
+                           job.trigger_events)
+        self._events_file: str | None = None  # trigger events too big for the environment
         self._stop_outcome: str | None = None
         self._deadline = deadline
         self._command: supervisor.Command | None = None  # a running command
@@ -144,7 +151,30 @@ class Execution:
             "PGFLOW_LOGICAL_TIME": iso_utc(self.job.logical_time),
             "PGFLOW_ATTEMPT": str(self.job.attempt),
             "PGFLOW_PARAMS": self.ctx.params_json,
+            **self._trigger_variables(),
         }
+
+    def _trigger_variables(self) -> dict[str, str]:
+        """PGFLOW_TRIGGER_EVENTS for a dataset run; a list too big for one environment
+        variable (Linux caps one at 128 KiB) goes to a file named by
+        PGFLOW_TRIGGER_EVENTS_FILE instead."""
+        if self.job.trigger_events is None:
+            return {}
+        if self._events_file is not None:
+            return {"PGFLOW_TRIGGER_EVENTS_FILE": self._events_file}
+        text = compact_events(self.job.trigger_events)
+        if len(text.encode("utf-8")) <= MAX_EVENTS_ENV_BYTES:
+            return {"PGFLOW_TRIGGER_EVENTS": text}
+        fd, self._events_file = tempfile.mkstemp(prefix="pgflow-events-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        return {"PGFLOW_TRIGGER_EVENTS_FILE": self._events_file}
+
+    def _remove_events_file(self) -> None:
+        if self._events_file is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._events_file)
+            self._events_file = None
 
     def environment(self) -> dict[str, str]:
         """The whole environment a command of this attempt gets."""
@@ -160,11 +190,13 @@ class Execution:
                 argv, self.variables(), self._deadline, self.job.timeout_s, out.write,
                 err.write)
         except OSError as exc:
+            self._remove_events_file()
             return AttemptResult(FAILED, error=f"cannot start the command supervisor: {exc}")
         try:
             ended = await self._command.wait()
         finally:
             self._command = None
+            self._remove_events_file()
         return _command_result(ended, self.job.timeout_s, out.text(), err.text())
 
     # ------------------------------------------------------------ callables
@@ -220,6 +252,11 @@ class Execution:
         finally:
             self._work = None
         return AttemptResult(SUCCEEDED)
+
+
+def compact_events(events_json: str) -> str:
+    """The claim's JSON text of a run's events, as compact JSON."""
+    return json.dumps(json.loads(events_json), separators=(",", ":"), ensure_ascii=False)
 
 
 def iso_utc(moment: datetime) -> str:

@@ -12,7 +12,9 @@ lock itself decides who leads. The winner records itself in the singleton row
 ``pgflow.leader``: replica id, the lock session's ``pg_backend_pid()``, a term
 one higher than the previous one, and a heartbeat.
 
-Leading. The leader loops: ``scheduler.run_once``, which heartbeats (an UPDATE
+Leading. The leader loops: ``datasets.consume`` (dataset-triggered runs, the same
+shape: bounded passes on the lock connection, a heartbeat before each; it is woken
+by NOTIFY ``pgflow_datasets``), ``scheduler.run_once``, which heartbeats (an UPDATE
 guarded by replica id *and* term: no row back means the row was taken over and
 it stops at once) before each of its passes, each pass one bounded
 transaction; a heartbeat, the backfill release and, every few seconds, the
@@ -77,7 +79,7 @@ import structlog
 from psycopg import AsyncConnection
 from psycopg.rows import dict_row
 
-from pgflow import backfill, retention, safety_net
+from pgflow import backfill, datasets, retention, safety_net
 from pgflow.alerts import evaluate as alert_evaluation
 from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
@@ -237,6 +239,12 @@ class Leadership:
         alerting = alert_evaluation.Schedule(self.alert_interval)
         try:
             while not stop.is_set():
+                # Dataset-triggered runs first: an event's NOTIFY is what woke us, most
+                # likely (datasets.py); then cron ticks.
+                fired = await datasets.consume(conn, before_pass=lambda: self._heartbeat(conn))
+                if fired.runs:
+                    self._log.info("dataset-triggered runs", runs=len(fired.runs),
+                                   events=fired.events)
                 result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 self._report(result)
                 await self._heartbeat(conn)
@@ -251,7 +259,7 @@ class Leadership:
                 if clear and alerting.due():
                     await alerting.run(conn, public_url=self.public_url,
                                        lease_ttl=self.lease_ttl, log=self._log)
-                if not result.more and not pruner.behind:  # a prune backlog: go on
+                if not result.more and not pruner.behind and not fired.more:  # backlog: go on
                     await self._wait_for_work(conn, stop, result)
         except _LostLeadership:
             self._log.warning("scheduler leadership lost: another replica's term is current",

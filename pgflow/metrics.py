@@ -125,6 +125,7 @@ class Metrics:
             if row is not None:
                 yield from _gauges(row, self._lease_ttl)
                 yield from alert_metrics.gauges(row["alerts"])
+                yield from _dataset_gauges(row["datasets"])
             yield from self._counters()
             errors = CounterMetricFamily("pgflow_metrics_scrape_errors",
                                          "Scrapes that could not read the database.")
@@ -146,6 +147,7 @@ class Metrics:
             # Queue health: dead tuples, vacuum, xmin horizon (statistics views only).
             health = queue_health.read(conn)
             alerting = alert_metrics.scrape(conn)  # open incidents, notification backlog
+            datasets = conn.execute(q("dataset_metrics")).fetchall()  # pgflow/datasets.py
             row = conn.execute(q("metrics_scrape"), {
                 "since": self._since, "settle": self._settle_s,
                 "alive_s": ALIVE_TTLS * self._lease_ttl,
@@ -159,6 +161,7 @@ class Metrics:
         row["breaker_moves"] = moves
         row["health"] = health
         row["alerts"] = alerting
+        row["datasets"] = datasets
         for f in row["finished"]:
             self._finished[(f["job"], f["tenant"], f["outcome"])] += f["n"]
         for a in row["attempts"]:
@@ -316,3 +319,19 @@ def _queue_health_gauges(health: dict[str, Any]) -> Iterator[Metric]:
                  "Transactions since the oldest snapshot, replication slot or prepared"
                  " transaction that holds back vacuum (0: none held).",
                  float(horizon["xmin_age"]) if horizon else 0.0)
+
+
+def _dataset_gauges(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    stored = GaugeMetricFamily("pgflow_dataset_events",
+                               "Dataset events recorded and not yet removed by retention.",
+                               labels=["dataset"])
+    waiting = GaugeMetricFamily("pgflow_dataset_events_waiting",
+                                "Dataset events a consuming job has not consumed yet.",
+                                labels=["dataset", "job"])
+    for row in rows:
+        if row["job"] is None:
+            stored.add_metric([row["dataset"]], float(row["n"]))
+        else:
+            waiting.add_metric([row["dataset"], row["job"]], float(row["n"]))
+    yield stored
+    yield waiting

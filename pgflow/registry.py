@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 
-from pgflow import backfill, dag, deps
+from pgflow import backfill, dag, datasets, deps
 from pgflow import policies as _policies
 from pgflow.cron import parse_cron
 from pgflow.errors import Conflict, NotFound, PgflowError
@@ -240,7 +240,8 @@ def apply(
         names = {spec.name for spec in specs} | bad_names
         removed = set(existing) - names if prune else set()
         errors = [*invalid, *check_graph(existing, specs, removed, bad_names),
-                  *_policies.duplicates(policies)]
+                  *_policies.duplicates(policies),
+                  *datasets.check_registry(existing, specs, removed)]
         if errors:
             raise RegistrationError(errors, source)
         now: datetime = conn.execute("SELECT now() AS now").fetchone()["now"]  # type: ignore[index]
@@ -261,6 +262,7 @@ def apply(
             conn.execute(q("delete_deps"), {"jobs": sorted(removed | {c.name for c in changed})})
             gone = conn.execute(q("delete_jobs"), {"names": sorted(removed)}).fetchall()
             _write(conn, changed, existing, now)
+            datasets.drop_stale(conn, [spec.name for spec in changed])
             settled = _resettle(conn, _rewired(changed, existing))
             backfill.complete(conn, settled.backfills.union(*(g["backfills"] for g in gone)))
             conn.execute(q("notify_jobs_changed"))

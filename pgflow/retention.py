@@ -115,6 +115,7 @@ from pgflow.queries import q
 
 BATCH = 2000
 BACKFILL_BATCH = 100
+EVENT_BATCH = 5000
 BUDGET_S = 0.2
 MIN_INTERVAL_S = 1.0
 MAX_INTERVAL_S = 60.0
@@ -129,6 +130,7 @@ class PrunePass:
 
     runs: dict[str, int] = field(default_factory=dict)
     backfills: int = 0
+    events: int = 0  # dataset events no job needs any more (pgflow/datasets.py)
     scanned: int = 0
     batches: int = 0
     done: bool = False
@@ -157,8 +159,9 @@ def _batch_params(retention_s: float, now: datetime | None, batch: int,
             "after_id": after[1] if after else None}
 
 
-def _cutoff_params(retention_s: float, now: datetime | None) -> dict[str, Any]:
-    return {"retention_s": retention_s, "now": now, "limit": BACKFILL_BATCH}
+def _cutoff_params(retention_s: float, now: datetime | None,
+                   limit: int = BACKFILL_BATCH) -> dict[str, Any]:
+    return {"retention_s": retention_s, "now": now, "limit": limit}
 
 
 def _check(retention_s: float, batch: int) -> None:
@@ -207,6 +210,10 @@ def run_once(conn: psycopg.Connection[Any], retention_s: float, *, now: datetime
             found.backfills = len(cur.execute(q("prune_backfills"),
                                               _cutoff_params(retention_s, now)).fetchall())
             cur.execute(q("prune_alert_history"), _cutoff_params(retention_s, now))
+        with conn.transaction():
+            found.events = len(cur.execute(q("prune_dataset_events"),
+                                           _cutoff_params(retention_s, now, EVENT_BATCH)
+                                           ).fetchall())
     found.seconds = time.monotonic() - started
     return found
 
@@ -236,6 +243,10 @@ async def run_once_async(conn: psycopg.AsyncConnection[Any], retention_s: float,
             await cur.execute(q("prune_backfills"), _cutoff_params(retention_s, now))
             found.backfills = len(await cur.fetchall())
             await cur.execute(q("prune_alert_history"), _cutoff_params(retention_s, now))
+        async with conn.transaction():
+            await cur.execute(q("prune_dataset_events"),
+                              _cutoff_params(retention_s, now, EVENT_BATCH))
+            found.events = len(await cur.fetchall())
     found.seconds = time.monotonic() - started
     return found
 
@@ -288,9 +299,10 @@ class Pruner:
         await conn.execute(q("record_prune"), {
             "retention_s": self.retention_s, "replica_id": self.replica_id,
             "runs": found.deleted, "backfills": found.backfills})
-        if log is not None and (found.deleted or found.backfills):
+        if log is not None and (found.deleted or found.backfills or found.events):
             log.info("retention: deleted finished runs", runs=found.deleted,
                      by_state=found.runs, backfills=found.backfills, batches=found.batches,
+                     dataset_events=found.events,
                      backlog=not found.done, seconds=round(found.seconds, 3))
         return found
 

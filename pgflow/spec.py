@@ -75,6 +75,10 @@ class JobSpec(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
     depends_on: list[Name] = Field(default_factory=list, max_length=10_000)
+    # Datasets (SPEC §4b): updated by a succeeded run; a run when new events hold.
+    produces: list[Name] = Field(default_factory=list, max_length=1000)
+    trigger_on: list[Name] | None = Field(default=None, max_length=1000)
+    trigger_mode: Literal["all", "any"] | None = None
 
     @field_validator("timezone")
     @classmethod
@@ -112,9 +116,11 @@ class JobSpec(BaseModel):
             raise ValueError("deadline must be longer than 0s")
         return value
 
-    @field_validator("depends_on", "sources")
+    @field_validator("depends_on", "sources", "produces", "trigger_on")
     @classmethod
-    def _no_repeats(cls, value: list[str]) -> list[str]:
+    def _no_repeats(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
         repeated = sorted({v for v in value if value.count(v) > 1})
         if repeated:
             raise ValueError(f"lists {', '.join(repeated)} more than once")
@@ -136,13 +142,44 @@ class JobSpec(BaseModel):
                 "a job with depends_on inherits its upstreams' logical times and cannot have"
                 " its own schedule (remove 'schedule')",
             ))
+        problems += self._trigger_problems()
         if problems:
             raise _Problems(problems)
         return self
 
+    def _trigger_problems(self) -> list[tuple[str | None, str]]:
+        if self.trigger_on is None:
+            if self.trigger_mode is not None:
+                return [("trigger_mode", "only applies to a job with trigger_on")]
+            return []
+        problems: list[tuple[str | None, str]] = []
+        if not self.trigger_on:
+            problems.append(("trigger_on", "must name at least one dataset"))
+        if self.schedule is not None:
+            problems.append(("schedule", "a dataset-triggered job (trigger_on) cannot also"
+                                         " have a schedule (remove one of them)"))
+        if self.depends_on:
+            problems.append(("depends_on", "a dataset-triggered job (trigger_on) is a root:"
+                                           " it cannot have depends_on"))
+        return problems
+
+    @property
+    def dataset_mode(self) -> str:
+        """``all`` or ``any`` (the default ``all``)."""
+        return self.trigger_mode or "all"
+
     def definition(self) -> dict[str, Any]:
-        """The canonical JSON form, stored and compared to detect unchanged jobs."""
-        return self.model_dump(mode="json")
+        """The canonical JSON form, stored and compared to detect unchanged jobs. The
+        dataset keys appear only when set, so jobs registered before they existed keep
+        their definition (and stay "unchanged")."""
+        document = self.model_dump(mode="json")
+        for key, unset in _OPTIONAL_KEYS.items():
+            if document.get(key) == unset:
+                del document[key]
+        return document
+
+
+_OPTIONAL_KEYS: dict[str, Any] = {"produces": [], "trigger_on": None, "trigger_mode": None}
 
 
 class _Problems(ValueError):

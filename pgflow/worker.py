@@ -304,7 +304,8 @@ class Worker:
             return
         job = Job(run_id=row["id"], job=row["job"], logical_time=row["logical_time"],
                   attempt=row["attempt"], params=row["params"], command=row["command"],
-                  entrypoint=row["entrypoint"], timeout_s=row["timeout_s"])
+                  entrypoint=row["entrypoint"], timeout_s=row["timeout_s"],
+                  trigger_events=row.get("trigger_events"))
         log = LazyLogger(self.log, run_id=job.run_id, job=job.job, attempt=job.attempt)
         execution = Execution(job, log, self._threads, deadline=deadline)
         held = Held(row, execution, deadline, replaces=self._newest.get(job.run_id))

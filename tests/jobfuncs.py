@@ -80,3 +80,11 @@ async def fail_if(ctx: Any) -> None:
     if ctx.params.get("fail"):
         raise RuntimeError(f"run {ctx.run_id} told to fail")
     await asyncio.sleep(float(ctx.params.get("seconds", 0)))
+
+
+TRIGGER_EVENTS: dict[int, list[dict[str, Any]]] = {}
+
+
+async def record_trigger_events(ctx: Any) -> None:
+    """Keep the dataset events the run consumed (the worker runs in the test's process)."""
+    TRIGGER_EVENTS[ctx.run_id] = ctx.trigger_events

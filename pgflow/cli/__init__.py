@@ -24,7 +24,11 @@ COMMANDS: dict[str, C] = {
                   "Re-run job NAME for every tick in [--start, --end); or list, show ID,"
                   " cancel ID."),
     "breakers": C("pgflow.cli.breakers:breakers_group", "Circuit breakers, one per source."),
+    "datasets": C("pgflow.cli.datasets:datasets_group",
+                  "Datasets: producers, consumers and their events (SPEC §4b)."),
     "db": C("pgflow.cli.db:db_group", "Schema migrations and the embedded database."),
+    "emit": C("pgflow.cli.datasets:emit_command",
+              "Record that DATASET was updated; jobs with trigger_on it react."),
     "jobs": C("pgflow.cli.jobs:jobs_group", "Inspect and control registered jobs."),
     "runs": C("pgflow.cli.runs:runs_group",
               "Inspect runs and act on them (retry, cancel, acknowledge)."),

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from pgflow import runs
+from pgflow import datasets, runs
 from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
 
 
@@ -46,8 +46,10 @@ def runs_list(ctx: Ctx, job: str | None, state: str | None, tenant: str | None, 
 def runs_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
     """Show one run and its attempts."""
     run = runs.show_run(ctx.conn(), run_id)
+    events = (datasets.run_events(ctx.conn(), run_id)[0] if run.get("trigger") == "dataset"
+              else [])
     if as_json:
-        emit_json(run)
+        emit_json({**run, "trigger_events": events})
         return
     attempts = run.pop("attempts")
     params = run.pop("params")
@@ -59,6 +61,9 @@ def runs_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
         attempt["error"] = (attempt["error"] or "").strip().split("\n")[0] or None
     emit_table(attempts, ["attempt", "worker_id", "started_at", "finished_at", "outcome",
                           "exit_code", "error"])
+    if events:  # why a dataset-triggered run fired
+        click.echo("trigger events:")
+        emit_table(events, ["id", "dataset", "key", "producer_run_id", "created_at"])
 
 
 def _human(value: Any) -> str:

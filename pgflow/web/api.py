@@ -12,11 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from pgflow import backfill, breakers, policies, registry, runs, status
+from pgflow import backfill, breakers, datasets, policies, registry, runs, status
 from pgflow.alerts import outbox
 from pgflow.errors import NotFound
 from pgflow.queries import q
 from pgflow.spec import NAME_PATTERN, JobSpec, parse_job
+from pgflow.web import dataset_views
 from pgflow.web._endpoint import (
     ApiError,
     Call,
@@ -50,7 +51,7 @@ from pgflow.web.models import (
 MAX_ID = 2**63 - 1
 NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 128, "pattern": NAME_PATTERN}
 STATES = list(runs.RUN_STATES)
-TRIGGERS = ["schedule", "manual", "dependency", "backfill"]
+TRIGGERS = ["schedule", "manual", "dependency", "backfill", "dataset"]
 
 JOB_NAME = Param("name", "path", NAME_SCHEMA, "The job's name.", required=True)
 RUN_ID = Param("id", "path", {"type": "integer", "minimum": 1, "maximum": MAX_ID},
@@ -186,6 +187,8 @@ def list_runs(call: Call) -> tuple[int, BaseModel]:
 def get_run(call: Call) -> tuple[int, BaseModel]:
     row = run_row(call.conn, call.args["id"])
     row["attempts"] = call.conn.execute(q("run_attempts"), {"id": row["id"]}).fetchall()
+    if row["trigger"] == "dataset":
+        row["trigger_events"] = datasets.run_events(call.conn, row["id"])[0]
     return 200, RunDetail.model_validate(row)
 
 
@@ -356,3 +359,6 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Replicas, the scheduling leader, queue depth and open breakers.", "viewer",
              get_status, Status),
 )
+
+# Datasets (pgflow/web/dataset_views.py): GET /datasets, POST /datasets/{name}/events.
+ENDPOINTS = (*ENDPOINTS, *dataset_views.ENDPOINTS)

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pgflow import migrate, tokens
 from pgflow.config import Settings
 from pgflow.metrics import Metrics
-from pgflow.web import actions, alerts_page, pages
+from pgflow.web import actions, alerts_page, dataset_views, pages
 from pgflow.web._endpoint import asgi_endpoint, error_response
 from pgflow.web._session import LOCAL_TZ_SCRIPT, error_page
 from pgflow.web._state import WebState, new_pool, web_state
@@ -204,6 +204,7 @@ def routes() -> list[Route]:
         Route("/breakers/{source}/open", a.open_breaker, methods=["POST"]),
         Route("/breakers/{source}/close", a.close_breaker, methods=["POST"]),
         Route("/tenants", p.tenants_page),
+        Route("/datasets", dataset_views.datasets_page),
     ]
 
 

@@ -18,7 +18,7 @@ from pgflow.spec import NAME_PATTERN
 
 RunState = Literal["pending", "queued", "running", "retrying", "succeeded", "failed",
                    "cancelled", "upstream_failed"]
-Trigger = Literal["schedule", "manual", "dependency", "backfill"]
+Trigger = Literal["schedule", "manual", "dependency", "backfill", "dataset"]
 Outcome = Literal["succeeded", "failed", "timed_out", "lost", "cancelled", "interrupted"]
 assert set(RunState.__args__) == set(RUN_STATES)  # type: ignore[attr-defined]
 
@@ -161,6 +161,15 @@ class Attempt(_Out):
     stderr_tail: str | None
 
 
+class TriggerEvent(_Out):
+    id: int
+    dataset: str
+    key: str | None
+    payload: dict[str, Any]
+    created_at: datetime
+    producer_run_id: int | None
+
+
 class RunDetail(Run):
     params: dict[str, Any]
     available_at: datetime
@@ -168,6 +177,8 @@ class RunDetail(Run):
     lease_expires_at: datetime | None
     job_exists: bool
     attempts: list[Attempt]
+    trigger_events: list[TriggerEvent] = Field(
+        default_factory=list, description="The dataset events a dataset run consumed.")
 
 
 class TriggerRequest(_In):

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from pgflow import __version__
+from pgflow.web import dataset_views
 from pgflow.web._endpoint import Endpoint
 from pgflow.web.api import ENDPOINTS, job_definition_schema, retry_schema
 from pgflow.web.models import REQUEST_MODELS, RESPONSE_MODELS
@@ -70,8 +71,8 @@ def _operation(endpoint: Endpoint) -> dict[str, Any]:
 @cache
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document of the JSON API."""
-    pairs = [(m, "validation") for m in REQUEST_MODELS]
-    pairs += [(m, "serialization") for m in RESPONSE_MODELS]
+    pairs = [(m, "validation") for m in (*REQUEST_MODELS, *dataset_views.REQUEST_MODELS)]
+    pairs += [(m, "serialization") for m in (*RESPONSE_MODELS, *dataset_views.RESPONSE_MODELS)]
     _, definitions = models_json_schema(pairs, ref_template=REF)  # type: ignore[arg-type]
     schemas: dict[str, Any] = definitions["$defs"]
     schemas["JobDefinition"] = job_definition_schema(REF)

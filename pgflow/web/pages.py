@@ -20,7 +20,7 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from pgflow import backfill, breakers, lineage, policies, queue_health, runs, status
+from pgflow import backfill, breakers, datasets, lineage, policies, queue_health, runs, status
 from pgflow.cron import CronError, load_timezone, parse_cron
 from pgflow.errors import InvalidInput, NotFound
 from pgflow.queries import q
@@ -201,15 +201,23 @@ def _next_fires(job: dict[str, Any], count: int = 5) -> list[datetime]:
 
 
 def _lineage_nodes(conn: Conn, name: str) -> tuple[list[svg.Node], list[tuple[str, str]], int]:
-    graph = lineage.lineage(conn, name)
+    graph = lineage.with_datasets(conn, lineage.lineage(conn, name))
     nodes = sorted(graph["nodes"], key=lambda n: (abs(n["depth"]), n["job"]))
     shown = nodes[:LINEAGE_MAX_NODES]
     names = {n["job"] for n in shown}
     edges = [(e["upstream"], e["job"]) for e in graph["edges"]
              if e["upstream"] in names and e["job"] in names]
-    drawn = [svg.Node(n["job"], n["depth"], n["state"], "/jobs/" + _seg(n["job"]),
-                      f" (run {n['run_id']})" if n["run_id"] else "") for n in shown]
+    drawn = [_lineage_node(n) for n in shown]
     return drawn, edges, len(nodes) - len(shown)
+
+
+def _lineage_node(node: dict[str, Any]) -> svg.Node:
+    if node["kind"] == "dataset":
+        dataset = node["job"].removeprefix(lineage.DATASET_PREFIX)
+        return svg.Node(node["job"], node["depth"], None, "/datasets?dataset=" + _seg(dataset),
+                        kind="dataset")
+    return svg.Node(node["job"], node["depth"], node["state"], "/jobs/" + _seg(node["job"]),
+                    f" (run {node['run_id']})" if node["run_id"] else "")
 
 
 def _seg(text: str) -> str:
@@ -317,7 +325,10 @@ def run_page(request: Request) -> Response:
         now = conn.execute(q("web_now")).fetchone()["now"]  # type: ignore[index]
         spans = [svg.Span(f"attempt {a['attempt']}", a["started_at"], a["finished_at"],
                           a["outcome"]) for a in attempts if a["started_at"] is not None]
+        events, event_count = (datasets.run_events(conn, run_id) if run["trigger"] == "dataset"
+                               else ([], 0))
         return {"title": f"Run {run_id}", "run": run, "attempts": attempts,
+                "trigger_events": events, "trigger_event_count": event_count,
                 "timeline_svg": svg.attempt_timeline(spans, now, f"Attempts of run {run_id}"),
                 "params": json.dumps(run["params"], indent=2, sort_keys=True),
                 "active": run["state"] in ACTIVE}

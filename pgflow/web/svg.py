@@ -73,6 +73,7 @@ class Node:
     state: str | None
     href: str
     note: str = ""
+    kind: str = "job"  # or "dataset" (pgflow/lineage.py): drawn as a plain, dashed box
 
 
 NODE_W, NODE_H, COL_GAP, ROW_GAP, PAD = 170, 34, 60, 14, 12
@@ -112,6 +113,9 @@ def layered_graph(nodes: Sequence[Node], edges: Sequence[tuple[str, str]], focus
                     ' stroke="#90a4ae" stroke-width="1.5" marker-end="url(#arrow)"/>')
     for node in nodes:
         x, y = where[node.name]
+        if node.kind == "dataset":
+            body.append(_dataset_node(node, x, y))
+            continue
         stroke = ' stroke="#000" stroke-width="3"' if node.name == focus else ""
         name = node.name if len(node.name) <= 22 else node.name[:21] + "…"
         state = node.state or "no runs"
@@ -124,6 +128,17 @@ def layered_graph(nodes: Sequence[Node], edges: Sequence[tuple[str, str]], focus
             + _text(x + 8, y + 14, name, fill="#fff", weight="bold")
             + _text(x + 8, y + 28, state, size=10, fill="#fff") + "</a>")
     return _svg(width, height, body, label, "graph")
+
+
+def _dataset_node(node: Node, x: float, y: float) -> str:
+    name = node.name.partition(":")[2]
+    shown = name if len(name) <= 22 else name[:21] + "…"
+    return (f'<a href="{escape(node.href)}" class="node dataset" data-dataset="{escape(name)}">'
+            f'<title>dataset {escape(name)}</title>'
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{NODE_W}" height="{NODE_H}" rx="14"'
+            ' fill="#eceff1" stroke="#607d8b" stroke-width="1.5" stroke-dasharray="4 3"/>'
+            + _text(x + 10, y + 14, shown, fill="#263238", weight="bold")
+            + _text(x + 10, y + 28, "dataset", size=10, fill="#546e7a") + "</a>")
 
 
 # ---------------------------------------------------------------- histogram

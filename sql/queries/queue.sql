@@ -14,10 +14,17 @@ claimed AS (
     FROM picked
     WHERE r.id = picked.id
     RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
-              r.attempt_started_at, r.cancel_requested
+              r.attempt_started_at, r.cancel_requested, r.trigger
 )
 SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
        c.attempt_started_at,
+       -- the events a dataset run consumed (PGFLOW_TRIGGER_EVENTS); other runs skip it
+       CASE WHEN c.trigger = 'dataset' THEN (
+           SELECT coalesce(jsonb_agg(jsonb_build_object('dataset', e.dataset, 'id', e.id,
+                                                        'key', e.key, 'payload', e.payload)
+                                     ORDER BY e.id), '[]')::text
+           FROM pgflow.dataset_deliveries d JOIN pgflow.dataset_events e ON e.id = d.event_id
+           WHERE d.run_id = c.id) END AS trigger_events,
        c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
        j.jitter, j.no_retry_exit_codes, j.sources
 FROM claimed c
@@ -341,7 +348,20 @@ WITH result AS (
     SELECT res.id, res.attempt, res.owner, res.started_at, now(), res.outcome, res.exit_code,
            res.error, res.stdout_tail, res.stderr_tail
     FROM finished f JOIN result res ON res.id = f.id
-), candidates AS (
+), produced AS (
+    -- A succeeded run of a producing job records its datasets' events here, in the
+    -- transaction that marks it succeeded: a fenced-off (late, duplicate) finish
+    -- matched no row above, so it records none (pgflow/datasets.py).
+    INSERT INTO pgflow.dataset_events (dataset, run_id, created_at)
+    SELECT p.dataset, f.id, now()
+    FROM finished f
+    JOIN pgflow.jobs j ON j.name = f.job AND j.produces <> '{}'
+    CROSS JOIN LATERAL unnest(j.produces) AS p(dataset)
+    WHERE f.state = 'succeeded'
+    RETURNING id, dataset
+),
+-- include: deliver_events
+, candidates AS (
     SELECT p.id
     FROM finished f
     JOIN pgflow.job_deps d ON d.upstream = f.job
@@ -351,6 +371,9 @@ WITH result AS (
     FOR UPDATE OF p
 )
 SELECT id, state, backfill_id, (SELECT array_agg(id) FROM candidates) AS candidates,
+       -- one wake-up of the leader when an event is waiting for a consumer (evaluated once)
+       (SELECT count(*) FROM (SELECT pg_notify('pgflow_datasets', '')
+                              FROM (SELECT 1 FROM delivered LIMIT 1) d) n) AS delivered,
        -- whether queue_ready_runs must look for late downstreams (pgflow/deps.py)
        state = 'succeeded' AND EXISTS (SELECT 1 FROM pgflow.job_deps d
                                        WHERE d.upstream = finished.job) AS downstream

@@ -57,8 +57,9 @@ ON CONFLICT (singleton) DO UPDATE SET
 RETURNING term
 
 -- name: listen_jobs
--- The leader wakes up when definitions change, or jobs are paused or resumed.
-LISTEN pgflow_jobs
+-- The leader wakes up when definitions change, or jobs are paused or resumed, and when
+-- a dataset event waits for a consumer (pgflow/datasets.py).
+LISTEN pgflow_jobs; LISTEN pgflow_datasets
 
 -- name: leader_heartbeat
 -- Guarded by replica and term: no row back means this replica no longer leads.
