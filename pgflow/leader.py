@@ -240,12 +240,17 @@ class Leadership:
         try:
             while not stop.is_set():
                 # Dataset-triggered runs first: an event's NOTIFY is what woke us, most
-                # likely (datasets.py); then cron ticks.
+                # likely (datasets.py); then cron ticks. Unless a tick is what woke us:
+                # then its pass comes first, on time.
+                tick_first = self._tick_reached()
+                if tick_first:
+                    result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 fired = await datasets.consume(conn, before_pass=lambda: self._heartbeat(conn))
                 if fired.runs:
                     self._log.info("dataset-triggered runs", runs=len(fired.runs),
                                    events=fired.events)
-                result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
+                if not tick_first:
+                    result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 self._report(result)
                 await self._heartbeat(conn)
                 released = await backfill.release(conn)
@@ -290,6 +295,10 @@ class Leadership:
             timeout = BUSY_NAP if result.jobs_due == 0 else 0.0
         if timeout > 0:
             await _notified_or_stopped(conn, stop, timeout)
+
+    def _tick_reached(self) -> bool:
+        """The next tick, as last read, has come (the leader slept until it)."""
+        return self._tick_at is not None and time.monotonic() >= self._tick_at
 
     def _clear_of_tick(self) -> bool:
         """No tick is expected within ``TICK_GUARD_S`` (as of the last look): chores may run.
