@@ -79,7 +79,7 @@ class Plan:
 QUICK = Plan(tp_n=5000, tp_concurrency=[500], lat_n=60, fan_jobs=2000, mem_sleep_s=3.0,
              mem_kinds=["async"], claim_finished=100_000, chain=30, chain_runs=1,
              fan_width=200, bf_window_s=5.0, cmd_jobs=500, ds_lat_n=50,
-             seed_replicas=[2], seed_concurrency=[64])
+             seed_replicas=[2], seed_concurrency=[64, 500])
 
 
 def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]]]:
