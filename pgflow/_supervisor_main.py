@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import heapq
 import itertools
 import json
@@ -41,7 +42,8 @@ from typing import Any
 
 KILL_GRACE_S = 5.0
 MAX_PACKET = 256 * 1024
-MAX_FDS = 3
+MAX_FDS = 4  # stdout, stderr, control, and a memfd for a large request
+CONTROL_FD = 3  # the command's PGFLOW_CONTROL pipe (/dev/fd/3)
 PR_SET_PDEATHSIG = 1
 # Dispositions a command must not inherit (Python ignores SIGPIPE and SIGXFSZ; the
 # others have handlers here, which exec resets anyway).
@@ -165,12 +167,18 @@ class Supervisor:
         if not argv:
             self.send({"op": "error", "key": key, "message": "cannot start an empty command"})
             return
+        actions = [(os.POSIX_SPAWN_DUP2, self.devnull, 0), (os.POSIX_SPAWN_DUP2, fds[0], 1),
+                   (os.POSIX_SPAWN_DUP2, fds[1], 2)]
+        if message.get("control"):
+            control = fds[2]
+            if control <= CONTROL_FD:  # dup2 onto itself would keep close-on-exec
+                control = fcntl.fcntl(control, fcntl.F_DUPFD_CLOEXEC, 10)
+                os.close(fds[2])
+                fds[2] = control  # closed with the others once the request is handled
+            actions.append((os.POSIX_SPAWN_DUP2, control, CONTROL_FD))
         try:
             pid = os.posix_spawnp(
-                argv[0], argv, {**self.base_env, **message["env"]},
-                file_actions=[(os.POSIX_SPAWN_DUP2, self.devnull, 0),
-                              (os.POSIX_SPAWN_DUP2, fds[0], 1),
-                              (os.POSIX_SPAWN_DUP2, fds[1], 2)],
+                argv[0], argv, {**self.base_env, **message["env"]}, file_actions=actions,
                 setsid=True, setsigmask=(), setsigdef=_DEFAULT_SIGNALS)
         except (OSError, ValueError) as exc:
             reason = getattr(exc, "strerror", None) or str(exc)

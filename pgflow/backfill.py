@@ -54,11 +54,17 @@ def plan_ticks(schedule: str, timezone: str, start: datetime, end: datetime) -> 
 
 def create(
     conn: psycopg.Connection[Any], job: str, start: datetime, end: datetime, *,
-    max_concurrency: int = 2, downstream: bool = False,
+    max_concurrency: int = 2, downstream: bool = False, reprocess: str = "none",
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Create a backfill and all its runs in one transaction; ``progress(n)`` is called
-    after each chunk of ``n`` ticks."""
+    after each chunk of ``n`` ticks. ``reprocess`` (none|failed|all): existing ticks that
+    failed, or all finished ones, are re-run by this backfill too (its cap, its
+    priority; pgflow/rerun.py); active ones are always skipped."""
+    from pgflow.rerun import REPROCESS
+
+    if reprocess not in REPROCESS:
+        raise PgflowError(f"reprocess must be one of none, failed, all; got {reprocess!r}")
     row = conn.execute("SELECT name, schedule, timezone FROM pgflow.jobs WHERE name = %s",
                        (job,)).fetchone()
     if row is None:
@@ -67,7 +73,7 @@ def create(
         raise PgflowError(f"job {job!r} has no schedule: backfill the root job it depends on"
                           " (with --downstream)")
     ticks = plan_ticks(row["schedule"], row["timezone"], start, end)
-    created = 0
+    created = reprocessed = 0
     with conn.transaction():
         backfill_id = conn.execute(q("insert_backfill"), {
             "job": job, "start": start, "end": end, "max_concurrency": max_concurrency,
@@ -80,16 +86,37 @@ def create(
                 "priority_offset": BACKFILL_PRIORITY_OFFSET, "backfill_id": backfill_id,
             }).fetchall()
             created += sum(1 for r in rows if r["job"] == job)
+            if reprocess != "none":
+                reprocessed += _reprocess(conn, job, chunk, backfill_id, reprocess, downstream)
             if progress:
                 progress(len(chunk))
+        skipped = len(ticks) - created - reprocessed
         conn.execute(q("count_backfill_ticks"), {"id": backfill_id, "ticks": len(ticks),
-                                                 "skipped": len(ticks) - created})
+                                                 "skipped": skipped})
         if downstream:  # downstream runs of ticks whose upstreams already ran
             deps.settle(conn, [], backfill=backfill_id, hold=True)
         complete(conn, [backfill_id])  # every tick skipped (or failed at once)
         conn.execute("SELECT pg_notify('pgflow_jobs', '')")
     return {"id": backfill_id, "job": job, "ticks": len(ticks), "created": created,
-            "skipped": len(ticks) - created}
+            "reprocessed": reprocessed, "skipped": skipped}
+
+
+def _reprocess(conn: psycopg.Connection[Any], job: str, ticks: list[datetime], backfill_id: int,
+               reprocess: str, downstream: bool) -> int:
+    """Existing ticks of ``job`` among ``ticks`` in the states ``reprocess`` names become
+    this backfill's held runs; with ``downstream`` their finished downstream runs wait for
+    them again (those active refuse the backfill)."""
+    from pgflow.rerun import REPROCESS, pend_downstream
+
+    ids = [row["id"] for row in conn.execute(q("backfill_reprocess"), {
+        "job": job, "times": ticks, "states": list(REPROCESS[reprocess]),
+        "backfill_id": backfill_id, "priority_offset": BACKFILL_PRIORITY_OFFSET})]
+    if ids and downstream:
+        pend_downstream(conn, ids, backfill_id)
+    elif ids:
+        for run_id in ids:  # their upstream_failed downstreams wait for them again
+            deps.restore_after_retry(conn, run_id)
+    return len(ids)
 
 
 def list_backfills(conn: psycopg.Connection[Any], limit: int = 100) -> list[dict[str, Any]]:

@@ -17,8 +17,10 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pgflow.dbconfig import check_url, default_home
 from pgflow.duration import parse_duration
 from pgflow.errors import ConfigError
+from pgflow.live import DEFAULT_LOG_LIMIT, MIN_LOG_LIMIT, parse_size
 
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
+Bytes = Annotated[int, BeforeValidator(parse_size)]
 
 
 # The scheduler leader heartbeats at least this often (pgflow.leader); a lease TTL
@@ -47,6 +49,8 @@ class Settings(BaseSettings):
         default="auto", description="auto: console on a terminal, JSON otherwise")
     retention: Seconds = Field(default=DEFAULT_RETENTION_S, gt=0,
                                description="how long finished runs are kept")
+    log_limit: Bytes = Field(default=DEFAULT_LOG_LIMIT, ge=MIN_LOG_LIMIT, le=1024**3,
+                             description="output kept per attempt (pgflow.live)")
     public_url: str | None = Field(
         default=None, description="base URL of the UI, for links in alerts; default http://BIND")
 

@@ -33,6 +33,7 @@ from typing import Any
 from pgflow import supervisor
 from pgflow.context import Context, PermanentError, SourceUnavailable
 from pgflow.environment import job_base
+from pgflow.live import CONTROL_PATH, DEFAULT_LOG_LIMIT, LiveOutput
 from pgflow.retry import EX_TEMPFAIL, FAILED, LOST, SUCCEEDED, TIMED_OUT
 from pgflow.supervisor import KILL_GRACE_S, Exit
 
@@ -65,6 +66,7 @@ class Job:
     command: list[str] | str | None
     entrypoint: str | None
     timeout_s: float | None
+    checkpoint: str | None = None  # JSON text an earlier attempt stored (pgflow.live)
     trigger_events: str | None = None  # a dataset run's consumed events, JSON text
 
 
@@ -91,19 +93,28 @@ class Execution:
     thread: Future[Any] | None = None
 
     def __init__(self, job: Job, logger: Any, threads: Executor | None = None, *,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None, log_limit: int = DEFAULT_LOG_LIMIT) -> None:
         """``deadline``: the lease deadline (``time.monotonic()``) at the start; None
-        means none (tests). Only commands enforce it (the supervisor kills them)."""
+        means none (tests). Only commands enforce it (the supervisor kills them).
+        ``live`` gathers what the attempt reports while it runs (pgflow.live)."""
         self.job = job
         self.logger = logger
         self.threads = threads
+        self._log_limit = log_limit
         self.ctx = Context(job.run_id, job.job, job.logical_time, job.attempt, job.params, logger,
-                           job.trigger_events)
+                           job.trigger_events, checkpoint_json=job.checkpoint,
+                           report=job.command is None)
         self._events_file: str | None = None  # trigger events too big for the environment
         self._stop_outcome: str | None = None
         self._deadline = deadline
         self._command: supervisor.Command | None = None  # a running command
         self._work: asyncio.Future[Any] | None = None  # callables: cancelled to stop
+
+    @property
+    def live(self) -> LiveOutput | None:
+        """What the attempt reported and the worker has not stored yet; None while a
+        Python job reported nothing (pgflow.live)."""
+        return self.ctx.reported
 
     @property
     def stop_outcome(self) -> str | None:
@@ -151,6 +162,8 @@ class Execution:
             "PGFLOW_LOGICAL_TIME": iso_utc(self.job.logical_time),
             "PGFLOW_ATTEMPT": str(self.job.attempt),
             "PGFLOW_PARAMS": self.ctx.params_json,
+            "PGFLOW_CONTROL": CONTROL_PATH,
+            **checkpoint_variables(self.job.checkpoint),
             **self._trigger_variables(),
         }
 
@@ -185,10 +198,22 @@ class Execution:
             return AttemptResult(self._stop_outcome, error="stopped before the command started")
         argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
         out, err = Tail(), Tail()
+        live = LiveOutput(self._log_limit)
+        self.ctx.attach(live)
+
+        def on_out(chunk: bytes) -> None:
+            out.write(chunk)
+            live.write("stdout", chunk)
+
+        def on_err(chunk: bytes) -> None:
+            err.write(chunk)
+            live.write("stderr", chunk)
+
+        variables = self.variables()
         try:
             self._command = supervisor.for_loop().start(
-                argv, self.variables(), self._deadline, self.job.timeout_s, out.write,
-                err.write)
+                argv, variables, self._deadline, self.job.timeout_s, on_out, on_err,
+                live.control, live.end_control)
         except OSError as exc:
             self._remove_events_file()
             return AttemptResult(FAILED, error=f"cannot start the command supervisor: {exc}")
@@ -196,6 +221,10 @@ class Execution:
             ended = await self._command.wait()
         finally:
             self._command = None
+            live.end_control()
+            if "PGFLOW_CHECKPOINT_FILE" in variables:
+                with contextlib.suppress(OSError):
+                    os.unlink(variables["PGFLOW_CHECKPOINT_FILE"])
             self._remove_events_file()
         return _command_result(ended, self.job.timeout_s, out.text(), err.text())
 
@@ -252,6 +281,25 @@ class Execution:
         finally:
             self._work = None
         return AttemptResult(SUCCEEDED)
+
+
+# An environment string longer than this cannot be passed to exec (MAX_ARG_STRLEN is
+# 128 KiB on Linux): a larger checkpoint is handed over in a file instead.
+ENV_CHECKPOINT_MAX = 96 * 1024
+
+
+def checkpoint_variables(checkpoint: str | None) -> dict[str, str]:
+    """``PGFLOW_CHECKPOINT`` (JSON) when an earlier attempt stored one; a checkpoint too
+    large for the environment goes in a private file named by ``PGFLOW_CHECKPOINT_FILE``
+    (and ``PGFLOW_CHECKPOINT`` is then unset)."""
+    if checkpoint is None:
+        return {}
+    if len(checkpoint.encode()) <= ENV_CHECKPOINT_MAX:
+        return {"PGFLOW_CHECKPOINT": checkpoint}
+    fd, path = tempfile.mkstemp(prefix="pgflow-checkpoint-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as file:
+        file.write(checkpoint)
+    return {"PGFLOW_CHECKPOINT_FILE": path}
 
 
 def compact_events(events_json: str) -> str:

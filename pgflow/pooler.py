@@ -16,6 +16,8 @@ scheduler (leader or standby) lock session           **direct**  session advisor
 worker                        claim                  poolable    one statement / transaction
 worker                        completions            poolable    one transaction per flush
 worker                        lease renewals         poolable    one transaction per beat
+worker                        live output            poolable    one statement per flush
+                                                                 (opened at the first news)
 worker                        LISTEN                 **direct**  notifications are per session
 reaper                        reap                   poolable    one transaction per pass
 web                           pool of 1 to 10        poolable    one statement per query
@@ -23,11 +25,12 @@ web                           pool of 1 to 10        poolable    one statement p
 CLI command, ``serve`` start  one                    poolable    migrations: direct
 ============================  =====================  ==========  ==========================
 
-So an all-roles replica holds 2 direct and 7 to 16 poolable connections, a worker-only
-replica 1 direct and 5 poolable. Without ``PGFLOW_POOLER_URL`` every one of them goes
-to ``PGFLOW_DATABASE_URL``; with it, only the direct ones do, and PostgreSQL sees one
-lock session per scheduler-role replica, one LISTEN session per worker-role replica and
-PgBouncer's pool, however many replicas there are.
+So an all-roles replica holds 2 direct and 7 to 17 poolable connections, a worker-only
+replica 1 direct and 5 or 6 poolable (live output: pgflow/live.py). Without
+``PGFLOW_POOLER_URL`` every one of them goes to ``PGFLOW_DATABASE_URL``; with it, only
+the direct ones do, and PostgreSQL sees one lock session per scheduler-role replica,
+one LISTEN session per worker-role replica and PgBouncer's pool, however many replicas
+there are.
 
 What must stay direct, and why. A transaction-mode pooler gives each *transaction* some
 server session; a session's state does not follow the client from one transaction to

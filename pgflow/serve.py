@@ -136,7 +136,7 @@ async def _serve(options: ServeOptions) -> str | None:
         tasks.append(web)
     if "worker" in options.roles:
         worker = Worker(options.url, replica.id, options.concurrency, options.lease_ttl, log,
-                        pooler_url=options.pooler_url)
+                        pooler_url=options.pooler_url, log_limit=options.settings.log_limit)
         worker.start()
     if options.health_bind:
         tasks.append(health.start(options, tasks, worker, stopping, stop, log))

@@ -10,8 +10,9 @@ stdlib-only process per replica (``pgflow/_supervisor_main.py``, lazily, at the 
 command of an event loop) and the per-attempt cost is a ``posix_spawn`` there.
 
 The conversation. A SOCK_SEQPACKET socketpair, one JSON object per packet:
-``start(key, argv, env, deadline, timeout)`` with the write ends of the attempt's
-stdout and stderr pipes attached (SCM_RIGHTS; the replica creates the pipes and
+``start(key, argv, env, deadline, timeout, control)`` with the write ends of the
+attempt's stdout and stderr pipes (and, with ``control``, of its control pipe, the
+command's fd 3: pgflow.live) attached (SCM_RIGHTS; the replica creates the pipes and
 keeps the read ends, so output is still read by the replica's event loop),
 ``extend(key, deadline)`` and ``stop(key, kill)``; the supervisor answers
 ``started(key, pid)``, ``exited(key, status, reason)`` or ``error(key, message)``.
@@ -99,12 +100,16 @@ class Command:
     its exit. Made by ``Supervisor.start``."""
 
     def __init__(self, supervisor: Supervisor, key: int, out: int, err: int, on_out: Sink,
-                 on_err: Sink) -> None:
+                 on_err: Sink, control: int | None = None, on_control: Sink | None = None,
+                 on_control_end: Callable[[], None] | None = None) -> None:
         self._supervisor = supervisor
         self.key = key
         self.pid: int | None = None
         self._exit: asyncio.Future[Exit] = asyncio.get_running_loop().create_future()
         self._pipes = {out: on_out, err: on_err}
+        self._control_end = (control, on_control_end)
+        if control is not None and on_control is not None:
+            self._pipes[control] = on_control
         loop = asyncio.get_running_loop()
         for fd in self._pipes:
             loop.add_reader(fd, self._read, fd)
@@ -153,6 +158,9 @@ class Command:
         if self._pipes.pop(fd, None) is not None:
             asyncio.get_running_loop().remove_reader(fd)
             os.close(fd)
+            control, on_end = self._control_end
+            if fd == control and on_end is not None:
+                on_end()
 
     def _ended(self, result: Exit) -> None:
         if not self._exit.done():
@@ -189,22 +197,30 @@ class Supervisor:
         return self.process.pid
 
     def start(self, argv: list[str], env: dict[str, str], deadline: float | None,
-              timeout: float | None, on_out: Sink, on_err: Sink) -> Command:
+              timeout: float | None, on_out: Sink, on_err: Sink,
+              on_control: Sink | None = None,
+              on_control_end: Callable[[], None] | None = None) -> Command:
         """Spawn ``argv`` with the base environment plus ``env``; output goes to the
-        sinks. Raises OSError when the pipes cannot be made."""
-        out_r, out_w = os.pipe()
+        sinks, and with ``on_control`` what the command writes to its fd 3 (the
+        ``PGFLOW_CONTROL`` pipe) goes there. Raises OSError when the pipes cannot be
+        made."""
+        made: list[int] = []
         try:
-            err_r, err_w = os.pipe()
+            for _ in range(3 if on_control is not None else 2):
+                made += os.pipe()
         except OSError:
-            os.close(out_r)
-            os.close(out_w)
+            _close_all(made)
             raise
-        for fd in (out_r, err_r):
+        reads, writes = made[0::2], made[1::2]
+        for fd in reads:
             os.set_blocking(fd, False)
-        command = Command(self, next(self._keys), out_r, err_r, on_out, on_err)
+        control = reads[2] if on_control is not None else None
+        command = Command(self, next(self._keys), reads[0], reads[1], on_out, on_err, control,
+                          on_control, on_control_end)
         self._commands[command.key] = command
         self.send({"op": "start", "key": command.key, "argv": argv, "env": env,
-                   "deadline": deadline, "timeout": timeout}, [out_w, err_w])
+                   "deadline": deadline, "timeout": timeout,
+                   "control": on_control is not None}, writes)
         return command
 
     def send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:

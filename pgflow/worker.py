@@ -66,7 +66,7 @@ from typing import Any
 
 import psycopg
 
-from pgflow import breakers, queue, retry
+from pgflow import breakers, live, queue, retry
 from pgflow.db import StatementTimeout, bounded, connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.log import LazyLogger
@@ -104,7 +104,8 @@ class Held:
 
 class Worker:
     def __init__(self, url: str, worker_id: str, concurrency: int, lease_ttl: float,
-                 log: Any, *, pooler_url: str | None = None) -> None:
+                 log: Any, *, pooler_url: str | None = None,
+                 log_limit: int = live.DEFAULT_LOG_LIMIT) -> None:
         self.url = url  # direct: the LISTEN session
         self.pooler_url = pooler_url  # claims, renewals, completions, when set (pooler.py)
         self.id = worker_id
@@ -136,13 +137,17 @@ class Worker:
         self._bound_s = self._statement_s + 2.0
         self._beat_bound_s = max(0.5, lease_ttl / 3)
         self._fence_margin_s = min(1.0, lease_ttl / 10)
+        # Live output, progress and checkpoints of the attempts held here (pgflow.live).
+        self.log_limit = log_limit
+        self._live = live.Flusher(worker_id, self._live_attempts, self._connect, log,
+                                  self._bound_s)
 
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         self._loops = [asyncio.create_task(self._supervise(loop), name=f"worker-{loop.__name__}")
                        for loop in (self._claim_loop, self._complete_loop, self._heartbeat_loop,
-                                    self._fence_loop, self._listen_loop)]
+                                    self._fence_loop, self._listen_loop, self._live.loop)]
 
     async def _supervise(self, loop: Callable[[], Awaitable[None]]) -> None:
         """Database errors are handled inside each loop; anything else is a bug that must not
@@ -305,9 +310,11 @@ class Worker:
         job = Job(run_id=row["id"], job=row["job"], logical_time=row["logical_time"],
                   attempt=row["attempt"], params=row["params"], command=row["command"],
                   entrypoint=row["entrypoint"], timeout_s=row["timeout_s"],
+                  checkpoint=row.get("checkpoint"),
                   trigger_events=row.get("trigger_events"))
         log = LazyLogger(self.log, run_id=job.run_id, job=job.job, attempt=job.attempt)
-        execution = Execution(job, log, self._threads, deadline=deadline)
+        execution = Execution(job, log, self._threads, deadline=deadline,
+                              log_limit=self.log_limit)
         held = Held(row, execution, deadline, replaces=self._newest.get(job.run_id))
         if held.replaces is not None:
             log.warning("run claimed again while its older attempt still runs here:"
@@ -331,6 +338,11 @@ class Worker:
         except Exception as exc:
             held.execution.logger.exception("internal error while running the attempt")
             result = AttemptResult(retry.FAILED, error=f"internal error: {exc!r}")
+        lost = held.execution.stop_outcome == retry.LOST and not held.self_fenced
+        reported = held.execution.live
+        if not lost and reported is not None and reported.needs_final():
+            # Its last output and checkpoint are stored before its result is.
+            await self._live.final(held.key, reported, self._bound_s)
         self._ended(held)
         if held.execution.stop_outcome == retry.LOST and not held.self_fenced:
             held.execution.logger.warning("lease lost: attempt stopped, result discarded")
@@ -358,6 +370,10 @@ class Worker:
         if not self.active:
             self._idle.set()
         self._wake.set()
+
+    def _live_attempts(self) -> list[tuple[Key, live.LiveOutput]]:
+        return [(key, reported) for key, held in self.active.items()
+                if (reported := held.execution.live) is not None]
 
     def _thread_returned(self) -> None:
         self._abandoned -= 1

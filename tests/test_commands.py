@@ -189,8 +189,9 @@ def test_the_command_environment_has_the_run_variables_and_no_pgflow_or_libpq_se
     seen = dict(line.split("=", 1) for line in str(result.stdout_tail).splitlines()
                 if "=" in line)
     assert sorted(k for k in seen if k.startswith("PG")) == [
-        "PGFLOW_ATTEMPT", "PGFLOW_JOB", "PGFLOW_LOGICAL_TIME", "PGFLOW_PARAMS",
-        "PGFLOW_RUN_ID"]
+        "PGFLOW_ATTEMPT", "PGFLOW_CONTROL", "PGFLOW_JOB", "PGFLOW_LOGICAL_TIME",
+        "PGFLOW_PARAMS", "PGFLOW_RUN_ID"]
+    assert seen["PGFLOW_CONTROL"] == "/dev/fd/3"  # the control pipe (pgflow.live)
     assert (seen["PGFLOW_RUN_ID"], seen["PGFLOW_JOB"], seen["PGFLOW_ATTEMPT"]) == \
         ("7", "cmd", "2")
     assert seen["PGFLOW_LOGICAL_TIME"] == "2030-01-02T03:04:00+00:00"

@@ -30,11 +30,14 @@ BACKFILL_COLUMNS = ["id", "job", "range_start", "range_end", "max_concurrency", 
 @click.option("--max-concurrency", type=click.IntRange(1, 10_000), default=2, show_default=True,
               help="Runs of this backfill running at once.")
 @click.option("--downstream", is_flag=True, help="Also run the job's downstream jobs.")
+@click.option("--reprocess", type=click.Choice(["none", "failed", "all"]), default="none",
+              show_default=True,
+              help="Existing ticks: skip them (none), re-run the failed ones, or re-run all.")
 @json_option
 @pass_ctx
 def backfill_command(ctx: Ctx, target: str, backfill_id: int | None, start: datetime | None,
                      end: datetime | None, max_concurrency: int, downstream: bool,
-                     as_json: bool) -> None:
+                     reprocess: str, as_json: bool) -> None:
     """Re-run job NAME for every tick in [--start, --end); or list, show ID, cancel ID.
 
     With --start/--end the first argument is always a job name (even a job named 'list').
@@ -48,11 +51,12 @@ def backfill_command(ctx: Ctx, target: str, backfill_id: int | None, start: date
                                " (or: backfill list | show ID | cancel ID)")
     if backfill_id is not None:
         raise click.UsageError(f"unexpected argument {backfill_id} after the job name")
-    _backfill_create(ctx, target, start, end, max_concurrency, downstream, as_json)
+    _backfill_create(ctx, target, start, end, max_concurrency, downstream, reprocess, as_json)
 
 
 def _backfill_create(ctx: Ctx, name: str, start: datetime, end: datetime,
-                     max_concurrency: int, downstream: bool, as_json: bool) -> None:
+                     max_concurrency: int, downstream: bool, reprocess: str,
+                     as_json: bool) -> None:
     from pgflow import backfill
 
     conn = ctx.conn()
@@ -62,11 +66,13 @@ def _backfill_create(ctx: Ctx, name: str, start: datetime, end: datetime,
     with click.progressbar(length=max(len(ticks), 1), label=f"backfilling {name}",
                            file=sys.stderr, show_pos=True) as bar:
         made = backfill.create(conn, name, start, end, max_concurrency=max_concurrency,
-                               downstream=downstream, progress=bar.update)
+                               downstream=downstream, reprocess=reprocess,
+                               progress=bar.update)
     if as_json:
         emit_json(made)
     else:
-        click.echo(f"backfill {made['id']}: {made['created']} run(s) created,"
+        again = f" {made['reprocessed']} re-run," if made["reprocessed"] else ""
+        click.echo(f"backfill {made['id']}: {made['created']} run(s) created,{again}"
                    f" {made['skipped']} tick(s) skipped (already had a run)")
 
 

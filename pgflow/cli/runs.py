@@ -10,6 +10,7 @@ import click
 
 from pgflow import datasets, runs
 from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
+from pgflow.errors import NotFound
 
 
 @click.group("runs")
@@ -80,6 +81,61 @@ def _human(value: Any) -> str:
 def runs_retry(ctx: Ctx, run_id: int) -> None:
     """Queue a failed or cancelled run again, with a fresh attempt budget."""
     click.echo(runs.retry_message(run_id, runs.retry(ctx.conn(), run_id)))
+
+
+@runs_group.command("rerun")
+@RUN_ID
+@click.option("--downstream", is_flag=True,
+              help="Also run its downstream runs at the same logical time again, after it.")
+@pass_ctx
+def runs_rerun(ctx: Ctx, run_id: int, downstream: bool) -> None:
+    """Run a finished run again as its next attempt, from a clean start (no checkpoint)."""
+    from pgflow import rerun
+
+    click.echo(rerun.rerun_message(run_id, rerun.rerun(ctx.conn(), run_id,
+                                                       downstream=downstream)))
+
+
+@runs_group.command("logs")
+@RUN_ID
+@click.option("--attempt", type=click.IntRange(1, 2**31 - 1),
+              help="Which attempt (default: the latest).")
+@click.option("--follow", "-f", is_flag=True,
+              help="Keep printing new output until the attempt ends (like tail -f).")
+@pass_ctx
+def runs_logs(ctx: Ctx, run_id: int, attempt: int | None, follow: bool) -> None:
+    """Print an attempt's output (stdout, stderr and pgflow's notes), live while it runs."""
+    import sys
+    import time
+
+    from pgflow import live
+
+    conn = ctx.conn()
+    offset = 0
+    out = sys.stdout.buffer
+    while True:
+        try:
+            page = live.read_output(conn, run_id, attempt, offset)
+        except NotFound:
+            if not (follow and attempt is None and _waiting(conn, run_id)):
+                raise
+            time.sleep(1.0)  # --follow of a run that has not started yet: wait for it
+            continue
+        attempt = page.attempt
+        if page.data:
+            out.write(page.data)
+            out.flush()
+        if page.next_offset > offset:
+            offset = page.next_offset
+            continue  # more may be stored already
+        if not follow or not page.running:
+            return
+        time.sleep(1.0)
+
+
+def _waiting(conn: Any, run_id: int) -> bool:
+    row = conn.execute("SELECT state FROM pgflow.runs WHERE id = %s", (run_id,)).fetchone()
+    return row is not None and row["state"] in ("pending", "queued", "retrying")
 
 
 @runs_group.command("cancel")

@@ -26,6 +26,9 @@ ALL_ROLES = ("scheduler", "worker", "reaper", "web")
 @click.option("--lease-ttl", help="Seconds a lease lasts without heartbeat [PGFLOW_LEASE_TTL, 30].")
 @click.option("--retention",
               help="How long finished runs are kept, e.g. 30d [PGFLOW_RETENTION, 30d].")
+@click.option("--log-limit",
+              help="Output kept per attempt; beyond it the middle is dropped, e.g. 16MiB"
+                   " [PGFLOW_LOG_LIMIT, 16MiB].")
 @click.option("--public-url",
               help="Base URL of the UI, for links in alerts [PGFLOW_PUBLIC_URL, http://BIND].")
 @click.option("--database-url", "serve_url", help="libpq URL [PGFLOW_DATABASE_URL].")
@@ -42,7 +45,8 @@ ALL_ROLES = ("scheduler", "worker", "reaper", "web")
 def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bind: str | None,
                   health_bind: str | None,
                   apps: tuple[str, ...], grace: str, lease_ttl: str | None, retention: str | None,
-                  public_url: str | None, serve_url: str | None, pooler_url: str | None,
+                  log_limit: str | None, public_url: str | None, serve_url: str | None,
+                  pooler_url: str | None,
                   serve_home: str | None, log_level: str, log_format: str | None) -> None:
     """Run a replica: scheduler, worker, reaper and web roles."""
     from pgflow import log as logging_setup
@@ -52,7 +56,7 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
     ctx.override(database_url=serve_url, pooler_url=pooler_url, home=serve_home,
                  lease_ttl=lease_ttl, retention=retention, bind=bind, health_bind=health_bind,
                  public_url=public_url,
-                 concurrency=concurrency, log_format=log_format)
+                 concurrency=concurrency, log_format=log_format, log_limit=log_limit)
     try:
         grace_s = parse_duration(grace)
     except ValueError as exc:

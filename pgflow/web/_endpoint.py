@@ -75,8 +75,8 @@ class Endpoint:
     operation_id: str
     summary: str
     role: str | None
-    handler: Callable[[Call], tuple[int, BaseModel]]
-    response: type[BaseModel]
+    handler: Callable[[Call], tuple[int, BaseModel] | Response]
+    response: type[BaseModel]  # a TextResponse: the handler returns a Response itself
     ok: int = 200
     ok_also: tuple[int, ...] = ()  # other success codes with the same body
     params: tuple[Param, ...] = ()
@@ -94,6 +94,13 @@ class Endpoint:
         if self.body is not None or self.body_schema is not None:
             codes |= {400, 413, 422}
         return sorted(codes)
+
+
+class TextResponse(BaseModel):
+    """Marks an endpoint whose success body is plain text (OpenAPI: ``text/plain``,
+    with the ``headers`` named here)."""
+
+    headers: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- parameters
@@ -311,7 +318,10 @@ def _serve(endpoint: Endpoint, request: Request, body: bytes) -> Response:
                 if len(body) > MAX_BODY:
                     raise ApiError(413, f"the request body is larger than {MAX_BODY} bytes")
                 parsed = parse_body(endpoint, body)
-            status, model = endpoint.handler(Call(conn, identity, args, parsed, state))
+            result = endpoint.handler(Call(conn, identity, args, parsed, state))
+        if isinstance(result, Response):
+            return result
+        status, model = result
         return json_response(status, model)
     except Exception as exc:  # every failure becomes a JSON error (mapped_error logs bugs)
         return mapped_error(exc)

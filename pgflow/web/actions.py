@@ -218,6 +218,11 @@ def _run_action(verb: str) -> Act:
         run_id = _path_id(request)
         if verb == "retry":
             return runs.retry_message(run_id, runs.retry(conn, run_id)), f"/runs/{run_id}"
+        if verb == "rerun":
+            from pgflow import rerun
+
+            row = rerun.rerun(conn, run_id, downstream=bool(field(form, "downstream")))
+            return rerun.rerun_message(run_id, row), f"/runs/{run_id}"
         if verb == "cancel":
             result = runs.cancel(conn, run_id)
             return f"run {run_id}: {result['outcome']}", f"/runs/{run_id}"
@@ -264,12 +269,16 @@ def _backfill(conn: Conn, viewer: Viewer, request: Request, form: Form) -> tuple
         raise InvalidInput("a backfill needs a job, a start and an end")
     if start >= end:
         raise InvalidInput("start must be before end")
+    reprocess = field(form, "reprocess") or "none"
+    if reprocess not in ("none", "failed", "all"):
+        raise InvalidInput("reprocess must be none, failed or all")
     limit = field(form, "max_concurrency") or "2"
     if not limit.isdigit() or not 1 <= int(limit) <= 10_000:
         raise InvalidInput("max concurrency must be a number from 1 to 10000")
     created = backfill.create(conn, job, start, end, max_concurrency=int(limit),
-                              downstream=bool(field(form, "downstream")))
-    return (f"backfill {created['id']} of {job}: {created['created']} run(s) created,"
+                              downstream=bool(field(form, "downstream")), reprocess=reprocess)
+    again = f" {created['reprocessed']} re-run," if created["reprocessed"] else ""
+    return (f"backfill {created['id']} of {job}: {created['created']} run(s) created,{again}"
             f" {created['skipped']} tick(s) already had a run"), "/backfills"
 
 
@@ -308,6 +317,7 @@ trigger_job = action("operator", _trigger)
 delete_job = action("admin", _delete)
 retry_run = action("operator", _run_action("retry"))
 cancel_run = action("operator", _run_action("cancel"))
+rerun_run = action("operator", _run_action("rerun"))
 ack_run = action("operator", _run_action("ack"))
 bulk_dead_letters = action("operator", _bulk)
 create_backfill = action("operator", _backfill)

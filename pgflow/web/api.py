@@ -11,8 +11,9 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
 
-from pgflow import backfill, breakers, datasets, policies, registry, runs, status
+from pgflow import backfill, breakers, datasets, live, policies, registry, rerun, runs, status
 from pgflow.alerts import outbox
 from pgflow.errors import NotFound
 from pgflow.queries import q
@@ -23,6 +24,7 @@ from pgflow.web._endpoint import (
     Call,
     Endpoint,
     Param,
+    TextResponse,
     validation_details,
 )
 from pgflow.web.models import (
@@ -39,6 +41,7 @@ from pgflow.web.models import (
     JobDeleted,
     JobList,
     JobSummary,
+    RerunRequest,
     Run,
     RunDetail,
     RunList,
@@ -197,6 +200,31 @@ def retry_run(call: Call) -> tuple[int, BaseModel]:
     return 200, run_model(call.conn, call.args["id"])
 
 
+def rerun_run(call: Call) -> tuple[int, BaseModel]:
+    body: RerunRequest = call.body or RerunRequest()
+    rerun.rerun(call.conn, call.args["id"], downstream=body.downstream)
+    return 200, run_model(call.conn, call.args["id"])
+
+
+class RunLogs(TextResponse):
+    """The attempt's output from ``offset`` on (stdout, stderr and pgflow's notes as they
+    arrived; a dropped middle shows as a marker line), as UTF-8 text."""
+
+    headers: dict[str, str] = {
+        "X-Pgflow-Next-Offset": "The offset to ask for next (bytes of the attempt's output).",
+        "X-Pgflow-Attempt": "The attempt shown.",
+        "X-Pgflow-Running": "true while the attempt runs: more output may come.",
+    }
+
+
+def run_logs(call: Call) -> Response:
+    page = live.read_output(call.conn, call.args["id"], call.args["attempt"],
+                            call.args["offset"])
+    return Response(page.data, media_type="text/plain; charset=utf-8", headers={
+        "X-Pgflow-Next-Offset": str(page.next_offset), "X-Pgflow-Attempt": str(page.attempt),
+        "X-Pgflow-Running": "true" if page.running else "false", "Cache-Control": "no-store"})
+
+
 def cancel_run(call: Call) -> tuple[int, BaseModel]:
     runs.cancel(call.conn, call.args["id"])
     return 200, run_model(call.conn, call.args["id"])
@@ -220,7 +248,8 @@ def create_backfill(call: Call) -> tuple[int, BaseModel]:
     if body.start >= body.end:
         raise ApiError(422, "start must be before end", [("end", "must be after start")])
     created = backfill.create(call.conn, body.job, body.start, body.end,
-                              max_concurrency=body.max_concurrency, downstream=body.downstream)
+                              max_concurrency=body.max_concurrency, downstream=body.downstream,
+                              reprocess=body.reprocess)
     return 201, Backfill.model_validate(backfill.show(call.conn, created["id"]))
 
 
@@ -324,6 +353,24 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/runs/{id}/retry", "retryRun",
              "Queue a failed or cancelled run again, with a fresh attempt budget.", "operator",
              retry_run, Run, params=(RUN_ID,), errors=(404, 409)),
+    Endpoint("POST", "/runs/{id}/rerun", "rerunRun",
+             "Run a finished run again as its next attempt, from a clean start (no"
+             " checkpoint); with downstream, its downstream runs at the same logical time run"
+             " again after it. Refused (409) while the run or a downstream run is active.",
+             "operator", rerun_run, Run, params=(RUN_ID,), body=RerunRequest,
+             errors=(404, 409)),
+    Endpoint("GET", "/runs/{id}/logs", "getRunLogs",
+             "An attempt's output, live while it runs: text from byte offset on; continue"
+             " from X-Pgflow-Next-Offset while X-Pgflow-Running is true.", "viewer", run_logs,
+             RunLogs, params=(
+                 RUN_ID,
+                 Param("attempt", "query", {"type": "integer", "minimum": 1,
+                                            "maximum": 2**31 - 1},
+                       "The attempt (default: the latest)."),
+                 Param("offset", "query", {"type": "integer", "minimum": 0, "maximum": 2**62,
+                                           "default": 0},
+                       "Byte offset in the attempt's output to start from.")),
+             errors=(404,)),
     Endpoint("POST", "/runs/{id}/cancel", "cancelRun",
              "Cancel a run (a running one is stopped by its worker).", "operator", cancel_run,
              Run, params=(RUN_ID,), errors=(404, 409)),

@@ -191,6 +191,7 @@ def routes() -> list[Route]:
         Route("/runs/{id}", p.run_page),
         Route("/runs/{id}/retry", a.retry_run, methods=["POST"]),
         Route("/runs/{id}/cancel", a.cancel_run, methods=["POST"]),
+        Route("/runs/{id}/rerun", a.rerun_run, methods=["POST"]),
         Route("/runs/{id}/ack", a.ack_run, methods=["POST"]),
         Route("/dead-letters", p.dead_letters_page, methods=["GET"]),
         Route("/dead-letters", a.bulk_dead_letters, methods=["POST"]),

@@ -142,6 +142,10 @@ class Run(_Out):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    progress: float | None = Field(
+        default=None, description="Latest progress the job reported (0 to 1), if any.")
+    progress_message: str | None = Field(
+        default=None, description="The message of the latest progress report.")
 
 
 class RunList(_Out):
@@ -177,6 +181,10 @@ class RunDetail(Run):
     lease_expires_at: datetime | None
     job_exists: bool
     attempts: list[Attempt]
+    progress_at: datetime | None = None
+    checkpoint_attempt: int | None = Field(
+        default=None, description="The attempt that stored the run's checkpoint, if any.")
+    checkpoint_at: datetime | None = None
     trigger_events: list[TriggerEvent] = Field(
         default_factory=list, description="The dataset events a dataset run consumed.")
 
@@ -216,6 +224,14 @@ class BackfillRequest(_In):
     end: Instant = Field(description="Last logical time (exclusive).")
     max_concurrency: int = Field(default=2, ge=1, le=10_000)
     downstream: bool = False
+    reprocess: Literal["none", "failed", "all"] = Field(
+        default="none", description="Existing ticks: skip them (none), re-run the failed"
+                                    " ones, or re-run all finished ones.")
+
+
+class RerunRequest(_In):
+    downstream: bool = Field(default=False, description="Also run the downstream runs at the"
+                                                        " same logical time again, after it.")
 
 
 # ---------------------------------------------------------------- breakers
@@ -309,7 +325,8 @@ class Status(_Out):
     incidents_firing: int = Field(default=0, description="Alert incidents firing now.")
 
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (TriggerRequest, BackfillRequest, BreakerChange,
+                                                RerunRequest)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     Error, JobList, Job, JobApplied, JobDeleted, RunList, Run, RunDetail, BackfillList, Backfill,
     BreakerList, Breaker, TenantList, Tenant, Status)

@@ -10,7 +10,7 @@ from pydantic.json_schema import models_json_schema
 
 from pgflow import __version__
 from pgflow.web import dataset_views
-from pgflow.web._endpoint import Endpoint
+from pgflow.web._endpoint import Endpoint, TextResponse
 from pgflow.web.api import ENDPOINTS, job_definition_schema, retry_schema
 from pgflow.web.models import REQUEST_MODELS, RESPONSE_MODELS
 
@@ -61,6 +61,13 @@ def _operation(endpoint: Endpoint) -> dict[str, Any]:
     responses: dict[str, Any] = {}
     for code in (endpoint.ok, *endpoint.ok_also):
         responses[str(code)] = _json(_ref(endpoint.response.__name__), _REASONS[code])
+    if issubclass(endpoint.response, TextResponse):
+        headers = endpoint.response.model_fields["headers"].default
+        responses[str(endpoint.ok)] = {
+            "description": endpoint.response.__doc__ or _REASONS[endpoint.ok],
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+            "headers": {name: {"description": text, "schema": {"type": "string"}}
+                        for name, text in headers.items()}}
     for code in endpoint.statuses():
         if str(code) not in responses:
             responses[str(code)] = _json(_ref("Error"), _REASONS[code])

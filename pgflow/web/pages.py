@@ -20,7 +20,17 @@ from urllib.parse import quote
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from pgflow import backfill, breakers, datasets, lineage, policies, queue_health, runs, status
+from pgflow import (
+    backfill,
+    breakers,
+    datasets,
+    lineage,
+    live,
+    policies,
+    queue_health,
+    runs,
+    status,
+)
 from pgflow.cron import CronError, load_timezone, parse_cron
 from pgflow.errors import InvalidInput, NotFound
 from pgflow.queries import q
@@ -328,6 +338,7 @@ def run_page(request: Request) -> Response:
         events, event_count = (datasets.run_events(conn, run_id) if run["trigger"] == "dataset"
                                else ([], 0))
         return {"title": f"Run {run_id}", "run": run, "attempts": attempts,
+                "output": live.page_output(conn, run_id, run["attempt"], run["state"]),
                 "trigger_events": events, "trigger_event_count": event_count,
                 "timeline_svg": svg.attempt_timeline(spans, now, f"Attempts of run {run_id}"),
                 "params": json.dumps(run["params"], indent=2, sort_keys=True),

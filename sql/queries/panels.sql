@@ -74,7 +74,7 @@ SELECT now() AS now,
        (SELECT count(*)::int FROM pgflow.runs WHERE state = 'running') AS running_total,
        (SELECT coalesce(jsonb_agg(x ORDER BY x.age_s DESC, x.id), '[]')
         FROM (SELECT id, job, logical_time, attempt, max_attempts, lease_owner,
-                     attempt_started_at,
+                     attempt_started_at, progress, progress_message,
                      extract(epoch FROM now() - attempt_started_at)::float8 AS age_s
               FROM pgflow.runs WHERE state = 'running'
               ORDER BY attempt_started_at, id LIMIT %(limit)s) x

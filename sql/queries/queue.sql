@@ -5,7 +5,8 @@
 -- fragment: claim_step
 -- How every claim ends (claim_runs, claim_capped_runs, claim_probe): the runs of the CTE
 -- `picked` (column id) start their next attempt under this worker's lease. params come
--- back as JSON text: a command passes it on as is, a Python job decodes it on first use.
+-- back as JSON text: a command passes it on as is, a Python job decodes it on first use;
+-- so does the checkpoint an earlier attempt stored (pgflow/live.py; NULL almost always).
 claimed AS (
     UPDATE pgflow.runs r
     SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
@@ -14,10 +15,10 @@ claimed AS (
     FROM picked
     WHERE r.id = picked.id
     RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
-              r.attempt_started_at, r.cancel_requested, r.trigger
+              r.attempt_started_at, r.cancel_requested, r.trigger, r.checkpoint
 )
 SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
-       c.attempt_started_at,
+       c.attempt_started_at, c.checkpoint::text AS checkpoint,
        -- the events a dataset run consumed (PGFLOW_TRIGGER_EVENTS); other runs skip it
        CASE WHEN c.trigger = 'dataset' THEN (
            SELECT coalesce(jsonb_agg(jsonb_build_object('dataset', e.dataset, 'id', e.id,

@@ -76,7 +76,8 @@ SELECT CASE
 -- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
 -- runs_floor), optional filters as in the listings above.
 SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at,
+       progress, progress_message
 FROM pgflow.runs
 WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
   AND (%(job)s::text IS NULL OR job = %(job)s)
@@ -92,7 +93,8 @@ LIMIT %(limit)s
 SELECT r.id, r.job, r.logical_time, r.state, r.attempt, r.max_attempts, r.trigger, r.tenant,
        r.priority, r.params, r.available_at, r.lease_owner, r.lease_expires_at,
        r.cancel_requested, r.acked_at, r.created_at, r.started_at, r.finished_at,
-       (j.name IS NOT NULL) AS job_exists
+       (j.name IS NOT NULL) AS job_exists,
+       r.progress, r.progress_message, r.progress_at, r.checkpoint_attempt, r.checkpoint_at
 FROM pgflow.runs r
 LEFT JOIN pgflow.jobs j ON j.name = r.job
 WHERE r.id = %(id)s

@@ -55,7 +55,8 @@ ORDER BY 1
 SELECT r.id, r.job, r.logical_time, r.state, r.attempt, r.max_attempts, r.trigger, r.tenant,
        r.priority, r.params, r.available_at, r.lease_owner, r.lease_expires_at,
        r.cancel_requested, r.acked_at, r.backfill_id, r.created_at, r.started_at,
-       r.finished_at, r.attempt_started_at, (j.name IS NOT NULL) AS job_exists
+       r.finished_at, r.attempt_started_at, (j.name IS NOT NULL) AS job_exists,
+       r.progress, r.progress_message, r.progress_at, r.checkpoint_attempt, r.checkpoint_at
 FROM pgflow.runs r
 LEFT JOIN pgflow.jobs j ON j.name = r.job
 WHERE r.id = %(id)s

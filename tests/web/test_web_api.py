@@ -12,7 +12,7 @@ from engine import add_job, enqueue
 from webhelpers import ROLES, Conn, auth, finished_run
 
 from pgflow import breakers, tokens
-from pgflow.web._endpoint import Endpoint
+from pgflow.web._endpoint import Endpoint, TextResponse
 from pgflow.web.api import ENDPOINTS
 from pgflow.web.openapi import document
 
@@ -74,7 +74,9 @@ def test_every_endpoint_enforces_its_role(client: httpx.Client, as_role: Headers
         assert f"needs the {endpoint.role} role" in refused.json()["error"]
     allowed = _call(client, endpoint, path, body, as_role[ROLES[needed]])
     assert allowed.status_code in (endpoint.ok, *endpoint.ok_also), allowed.text
-    assert allowed.headers["content-type"] == "application/json"
+    text = issubclass(endpoint.response, TextResponse)  # GET /runs/{id}/logs
+    assert allowed.headers["content-type"] == (
+        "text/plain; charset=utf-8" if text else "application/json")
 
 
 def test_a_revoked_token_stops_working_at_once(client: httpx.Client, conn: Conn) -> None:
