@@ -24,7 +24,7 @@ from typing import Any
 
 import psycopg
 
-from pgflow import deps
+from pgflow import deps, runs
 from pgflow.errors import Conflict, NotFound
 from pgflow.queries import q
 
@@ -49,7 +49,7 @@ def rerun(conn: psycopg.Connection[Any], run_id: int, *, downstream: bool = Fals
         if downstream:
             pended = pend_downstream(conn, [run_id], None)
         if changed["state"] == "pending":
-            changed["state"] = _settle(conn, run_id)
+            changed["state"] = runs.settle_going_again(conn, run_id)
         if pended:
             deps.settle(conn, pended)
         elif not downstream:
@@ -80,17 +80,6 @@ def pend_downstream(conn: psycopg.Connection[Any], ids: list[int],
         raise Conflict(f"downstream run(s) {', '.join(map(str, missing))} changed meanwhile or"
                        " their job no longer exists; nothing was re-run")
     return finished
-
-
-def _settle(conn: psycopg.Connection[Any], run_id: int) -> str:
-    settled = deps.settle(conn, [run_id])
-    if run_id in settled.doomed:  # raised inside the transaction: nothing changes
-        blockers = deps.failed_upstreams(conn, run_id)
-        named = ", ".join(f"run {b['id']} ({b['job']}, {b['state']})" for b in blockers)
-        raise Conflict(f"run {run_id} cannot run again while its upstream"
-                       f" {named or 'runs'} {'has' if len(blockers) == 1 else 'have'} not"
-                       " succeeded: retry or re-run that first")
-    return "queued" if run_id in settled.queued else "pending"
 
 
 def _refusal(conn: psycopg.Connection[Any], run_id: int) -> Exception:

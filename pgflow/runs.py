@@ -225,7 +225,7 @@ def retry(conn: Conn, run_id: int) -> Row:
         changed = conn.execute(q("run_retry"), {"id": run_id, "now": None}).fetchone()
         if changed is not None:
             if changed["state"] == "pending":
-                changed["state"] = _settle_retried(conn, run_id)
+                changed["state"] = settle_going_again(conn, run_id)
             deps.restore_after_retry(conn, run_id)
             if changed["state"] == "queued":
                 conn.execute(q("notify_queue"))
@@ -234,7 +234,9 @@ def retry(conn: Conn, run_id: int) -> Row:
     return changed
 
 
-def _settle_retried(conn: Conn, run_id: int) -> str:
+def settle_going_again(conn: Conn, run_id: int) -> str:
+    """Queue a retried or re-run run, or leave it pending behind its upstream runs; one
+    with a failed upstream is refused (raised inside the caller's transaction)."""
     settled = deps.settle(conn, [run_id])
     if run_id in settled.doomed:  # raised inside the transaction: nothing changes
         blockers = deps.failed_upstreams(conn, run_id)

@@ -31,13 +31,13 @@ def write(tmp_path: Path, text: str, name: str = "jobs.toml") -> str:
 
 def test_apply_and_list_the_example_pipeline(cli) -> None:  # type: ignore[no-untyped-def]
     code, out, _ = cli("apply", str(PIPELINE))
-    assert code == 0 and out.strip() == "created 5, updated 0, unchanged 0"
+    assert code == 0 and out.strip() == "created 6, updated 0, unchanged 0"
     code, out, _ = cli("apply", str(PIPELINE))
-    assert out.strip() == "created 0, updated 0, unchanged 5"
+    assert out.strip() == "created 0, updated 0, unchanged 6"
     code, out, _ = cli("jobs", "list", "--json")
     jobs = json.loads(out)
     assert [j["name"] for j in jobs] == ["archive_orders", "check_orders", "extract_orders",
-                                          "load_orders", "transform_orders"]
+                                          "load_orders", "report_sales", "transform_orders"]
     assert jobs[2]["schedule"] == "* * * * *" and jobs[2]["next_fire_at"]
     code, out, _ = cli("jobs", "list")
     assert out.splitlines()[0].split()[:3] == ["NAME", "TENANT", "SCHEDULE"]

@@ -12,6 +12,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,11 @@ def test_a_succeeded_producer_triggers_its_consumer_with_the_events(
     producer = enqueue(conn, "load")
     wait_for(lambda: events(conn, "orders"))
     [event] = events(conn, "orders")
-    assert event["run_id"] == producer and event["key"] is None and event["payload"] == {}
+    assert event["run_id"] == producer and event["key"] is None
+    run = conn.execute("SELECT logical_time FROM pgflow.runs WHERE id = %s",
+                       (producer,)).fetchone()
+    assert run is not None and event["payload"] == {
+        "job": "load", "logical_time": run["logical_time"].astimezone(UTC).isoformat()}
     fired = consume(db_url)
     assert list(fired.runs) == ["report"] and fired.events == 1
     [run] = dataset_runs(conn, "report")
@@ -85,7 +90,7 @@ def test_a_succeeded_producer_triggers_its_consumer_with_the_events(
     wait_for(lambda: conn.execute("SELECT state FROM pgflow.runs WHERE id = %s",
                                   (run["id"],)).fetchone()["state"] == "succeeded")  # type: ignore[index]
     assert json.loads(seen.read_text()) == [
-        {"dataset": "orders", "id": event["id"], "key": None, "payload": {}}]
+        {"dataset": "orders", "id": event["id"], "key": None, "payload": event["payload"]}]
     assert consumed(conn, run["id"]) == [event["id"]]
     assert consume(db_url).runs == {}  # consumed: nothing more
 

@@ -33,14 +33,10 @@ SELECT id, dataset, key, run_id, payload, created_at,
 FROM pgflow.dataset_events e
 WHERE dataset = %(dataset)s AND key = %(key)s
 
--- name: ready_consumers
--- Consuming jobs whose condition holds over their waiting events, locked until the pass
--- commits: whoever holds a job's row is the only one consuming its events (a second
--- scheduler skips it). The (job, dataset) pairs with a waiting delivery come from a skip
--- scan of dataset_deliveries_waiting_idx (one probe per pair, whatever the backlog); a
--- job whose previous dataset run is not finished waits (runs_dataset_active_idx); a
--- paused job keeps its events.
-WITH RECURSIVE pairs(job, dataset) AS (
+-- fragment: waiting_pairs
+-- The (job, dataset) pairs with a waiting delivery, from a skip scan of
+-- dataset_deliveries_waiting_idx: one probe per pair, whatever the backlog.
+pairs(job, dataset) AS (
     (SELECT job, dataset FROM pgflow.dataset_deliveries
      WHERE run_id IS NULL ORDER BY job, dataset LIMIT 1)
     UNION ALL
@@ -50,7 +46,18 @@ WITH RECURSIVE pairs(job, dataset) AS (
         WHERE d.run_id IS NULL AND (d.job, d.dataset) > (p.job, p.dataset)
         ORDER BY d.job, d.dataset LIMIT 1
     ) n
-), waiting AS (
+)
+
+-- name: ready_consumers
+-- Consuming jobs whose condition holds over their waiting events, locked until the pass
+-- commits: whoever holds a job's row is the only one consuming its events (a second
+-- scheduler skips it). The (job, dataset) pairs with a waiting delivery come from a skip
+-- scan of dataset_deliveries_waiting_idx (one probe per pair, whatever the backlog); a
+-- job whose previous dataset run is not finished waits (runs_dataset_active_idx); a
+-- paused job keeps its events.
+WITH RECURSIVE
+-- include: waiting_pairs
+, waiting AS (
     SELECT job, array_agg(dataset) AS datasets FROM pairs GROUP BY job
 ), ready AS (
     SELECT j.name
@@ -183,17 +190,9 @@ ORDER BY 1, 2
 -- Waiting deliveries for a job that no longer triggers on their dataset (deleted, or
 -- redefined by plain SQL) are dropped first; their events go in a later pass.
 -- The waiting (job, dataset) pairs come from a skip scan, as in ready_consumers.
-WITH RECURSIVE pairs(job, dataset) AS (
-    (SELECT job, dataset FROM pgflow.dataset_deliveries
-     WHERE run_id IS NULL ORDER BY job, dataset LIMIT 1)
-    UNION ALL
-    SELECT n.job, n.dataset FROM pairs p
-    CROSS JOIN LATERAL (
-        SELECT d.job, d.dataset FROM pgflow.dataset_deliveries d
-        WHERE d.run_id IS NULL AND (d.job, d.dataset) > (p.job, p.dataset)
-        ORDER BY d.job, d.dataset LIMIT 1
-    ) n
-), stale AS (
+WITH RECURSIVE
+-- include: waiting_pairs
+, stale AS (
     SELECT p.job, p.dataset FROM pairs p
     WHERE NOT EXISTS (SELECT 1 FROM pgflow.jobs j
                       WHERE j.name = p.job AND p.dataset = ANY(j.trigger_on))

@@ -353,8 +353,15 @@ WITH result AS (
     -- A succeeded run of a producing job records its datasets' events here, in the
     -- transaction that marks it succeeded: a fenced-off (late, duplicate) finish
     -- matched no row above, so it records none (pgflow/datasets.py).
-    INSERT INTO pgflow.dataset_events (dataset, run_id, created_at)
-    SELECT p.dataset, f.id, now()
+    INSERT INTO pgflow.dataset_events (dataset, run_id, created_at, payload)
+    SELECT p.dataset, f.id, now(),
+           -- which job made the data, for which logical time (as PGFLOW_LOGICAL_TIME
+           -- spells it, so a consumer can match what the producer wrote)
+           jsonb_build_object('job', f.job, 'logical_time',
+               to_char(f.logical_time AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS')
+               || CASE WHEN date_trunc('second', f.logical_time) = f.logical_time THEN ''
+                       ELSE to_char(f.logical_time AT TIME ZONE 'UTC', '.US') END
+               || '+00:00')
     FROM finished f
     JOIN pgflow.jobs j ON j.name = f.job AND j.produces <> '{}'
     CROSS JOIN LATERAL unnest(j.produces) AS p(dataset)

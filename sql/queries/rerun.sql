@@ -15,11 +15,9 @@ max_attempts = r.attempt + j.max_attempts, finished_at = NULL, acked_at = NULL,
 -- A finished run whose job still exists: queued, or pending when it has upstream runs at
 -- its logical time (the caller settles it at once, as a retry does).
 UPDATE pgflow.runs r
-SET state = CASE WHEN EXISTS (
-                     SELECT 1 FROM pgflow.job_deps d
-                     JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
-                     WHERE d.job = r.job)
-                 THEN 'pending' ELSE 'queued' END,
+SET state =
+    -- include: pending_if_upstreams
+    ,
     -- include: rerun_reset
 FROM pgflow.jobs j
 WHERE r.id = %(id)s AND r.state IN ('succeeded', 'failed', 'cancelled', 'upstream_failed')

@@ -111,16 +111,23 @@ FROM pgflow.runs
 WHERE id = %(id)s AND state = 'running'
 ORDER BY attempt
 
+-- fragment: pending_if_upstreams
+-- A run going again: pending when it has upstream runs at its logical time (the caller
+-- settles it at once: deps.settle), queued otherwise.
+CASE WHEN EXISTS (
+         SELECT 1 FROM pgflow.job_deps d
+         JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
+         WHERE d.job = r.job)
+     THEN 'pending' ELSE 'queued' END
+
 -- name: run_retry
 -- A fresh attempt budget on top of the attempts already used; the job must still exist.
 -- A run with upstream runs at its logical time goes back to pending, and the caller
 -- settles it at once (deps.settle): it is queued only once they have all succeeded.
 UPDATE pgflow.runs r
-SET state = CASE WHEN EXISTS (
-                     SELECT 1 FROM pgflow.job_deps d
-                     JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
-                     WHERE d.job = r.job)
-                 THEN 'pending' ELSE 'queued' END,
+SET state =
+    -- include: pending_if_upstreams
+    ,
     max_attempts = r.attempt + j.max_attempts, finished_at = NULL,
     acked_at = NULL, cancel_requested = false, available_at = coalesce(%(now)s, now())
 FROM pgflow.jobs j

@@ -22,36 +22,11 @@ from pgflow.web import svg
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--no-first-run", "--disable-sync"]
 T0 = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
 
 pytestmark = pytest.mark.skipif(
     not CHROMIUM.exists(), reason="no system Chromium at /usr/bin/chromium"
     " (apt-get install -y chromium)")
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with sync_api.sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                              args=ARGS)
-        yield launched
-        launched.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1360, "height": 1000}, timezone_id="UTC")
-    opened = context.new_page()
-    opened.set_default_timeout(15_000)
-    errors: list[str] = []
-    opened.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    opened.on("pageerror", lambda e: errors.append(str(e)))
-    yield opened
-    context.close()
-    assert errors == [], errors  # no script errors, no CSP violations
 
 
 def shot(page: Any, name: str) -> None:

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from engine import WorkerThread, add_job, wait_for
-from test_web_browser import browser, log_in, page, pytestmark, shot  # noqa: F401
+from test_web_browser import log_in, pytestmark, shot  # noqa: F401
 from test_web_datasets import consume
 from webhelpers import Conn, ServerThread
 
@@ -15,7 +15,7 @@ from pgflow import datasets, tokens
 
 
 def test_a_user_follows_events_from_the_nav_to_the_run_they_fired(
-        page: Any, server: ServerThread, conn: Conn, db_url: str) -> None:  # noqa: F811
+        page: Any, server: ServerThread, conn: Conn, db_url: str) -> None:
     add_job(conn, "load", entrypoint="jobfuncs:noop", produces=["orders"])
     add_job(conn, "report", entrypoint="jobfuncs:noop", trigger_on=["orders"])
     event = datasets.emit(conn, "orders", key="2026-01-31", payload={"rows": 1200}).event

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 from engine import WorkerThread, add_job, enqueue, wait_for
-from test_web_browser import CHROMIUM, browser, log_in, page, shot  # noqa: F401 - fixtures
+from test_web_browser import CHROMIUM, log_in, shot
 from webhelpers import Conn, ServerThread, finished_run
 
 from pgflow import tokens
@@ -157,7 +157,7 @@ def worker(db_url: str) -> Any:
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="no system Chromium")
 def test_the_run_page_shows_live_output_and_a_progress_bar(
-        page: Any, server: ServerThread, conn: Conn, worker: Any, tmp_path: Path) -> None:  # noqa: F811
+        page: Any, server: ServerThread, conn: Conn, worker: Any, tmp_path: Path) -> None:
     go = tmp_path / "go"
     script = ('echo "{\\"progress\\": 0.4, \\"message\\": \\"loading\\"}" > "$PGFLOW_CONTROL";'
               f' i=0; while [ ! -e {go} ]; do i=$((i+1)); echo "line $i"; sleep 0.2; done')
