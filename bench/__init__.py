@@ -14,5 +14,7 @@ Environment: ``BENCH_PG_URL`` (use a running server), ``BENCH_PGROOT`` /
 Modules: ``cluster`` (the server), ``procs`` (replica processes, /proc), ``context``
 (fresh database, workload helpers), one module per figure (``registration``,
 ``throughput``, ``latency``, ``fanout``, ``memory``, ``claim``, ``deps``,
-``backfill``, ``web``, ``commands``), ``anchors`` and ``report`` (ratios, targets, summary).
+``backfill``, ``web``, ``commands``, ``history``, ``policies``, ``seeds``: the fan-out of
+one 10,000-job tick on full replicas, ``cli``: command start-up), ``anchors`` and ``report``
+(ratios, targets, summary).
 """

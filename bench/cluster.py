@@ -54,10 +54,10 @@ class Cluster:
             conn.execute("CHECKPOINT")
 
     def postmaster_pid(self) -> int:
-        with self.admin() as conn:
+        with self.admin() as conn:  # read /proc while the backend is still alive
             row = conn.execute("SELECT pg_backend_pid() AS pid").fetchone()
-        assert row is not None
-        return procs.parent_pid(int(row["pid"]))
+            assert row is not None
+            return procs.parent_pid(int(row["pid"]))
 
     def settings(self) -> dict[str, str]:
         names = ["server_version", "fsync", "synchronous_commit", "shared_buffers",

@@ -45,6 +45,15 @@ def compare(doc: dict[str, Any]) -> dict[str, Any]:
                         (a.get("pgqueuer_best_by_procs") or {}).get(k)))}
                 for k in ("1", "2")},
         },
+        "seeds": {
+            "pgflow_best_runs_per_s": _get(doc, "figures", "seeds", "best", "runs_per_s"),
+            "pgqueuer_best_jobs_per_s": pgq_best,
+            "vs_pgqueuer_best": ratio(_get(doc, "figures", "seeds", "best", "runs_per_s"),
+                                      pgq_best),
+            "by_config_vs_pgqueuer_best": {
+                f"r{r['replicas']}-c{r['concurrency']}": ratio(r.get("runs_per_s"), pgq_best)
+                for r in _get(doc, "figures", "seeds", "runs") or [] if r.get("ok")},
+        },
         "latency": {
             "pgflow_p50_ms": lat.get("p50"), "pgflow_p99_ms": lat.get("p99"),
             "pgqueuer_p50_ms": pgq_lat.get("p50_ms"), "pgqueuer_p99_ms": pgq_lat.get("p99_ms"),
@@ -101,6 +110,14 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                 (cmd_ratio or 0) >= 0.5),
         _target("commands", "jobs list wall s under command load", cmd_cli, "< 1",
                 cmd_cli is not None and cmd_cli < 1),
+        _target("seeds", "fan-out runs/s / pgqueuer best", _get(c, "seeds", "vs_pgqueuer_best"),
+                ">= 1.5", (_get(c, "seeds", "vs_pgqueuer_best") or 0) >= 1.5),
+        _target("seeds", "all runs exist after tick, worst config (s)",
+                _get(f, "seeds", "worst_visible_after_tick_s"), "<= 1",
+                (_get(f, "seeds", "worst_visible_after_tick_s") or 1e9) <= 1),
+        *[_target("cli", f"{name} wall s median (idle)", _get(f, "cli", key, "median_s"),
+                  "< 0.25", (_get(f, "cli", key, "median_s") or 1e9) < 0.25)
+          for name, key in (("pgflow --help", "help"), ("pgflow jobs list", "jobs_list"))],
         _target("datasets", "10,000-event burst: last emit -> all consumed (s)", ds_drain,
                 "< 10 s, each event once", ds_drain is not None and ds_drain < 10
                 and bool(_get(f, "datasets", "exactly_once"))),
@@ -171,6 +188,15 @@ FIGURE_LINES: dict[str, Any] = {
                           f"(drain {_fmt(r.get('backfill_drain_per_s'))} runs/s, overlap "
                           f"{r.get('backfill_max_overlap')} <= cap {r.get('cap')})",
     "web": lambda r: _web_line(r) if r.get("available") else r.get("note", "not available"),
+    "seeds": lambda r: "; ".join(
+        f"r{x['replicas']} c{x['concurrency']}: {_fmt(x['runs_per_s'])} runs/s, all created "
+        f"{_fmt(x['all_runs_visible_after_tick_s'])} s, {_fmt(x['replica_cpu_ms_per_run'])}+"
+        f"{_fmt(x['pg_cpu_ms_per_run'])} CPU ms/run" if x.get("ok") else f"FAILED {x.get('error')}"
+        for x in r.get("runs", [])),
+    "cli": lambda r: f"pgflow --help {_fmt(_get(r, 'help', 'median_s'))} s, jobs list "
+                     f"{_fmt(_get(r, 'jobs_list', 'median_s'))} s (median; python -c pass "
+                     f"{_fmt(_get(r, 'python_startup', 'median_s'))} s, load "
+                     f"{' '.join(r.get('loadavg_before') or [])})",
     "commands": lambda r: f"{_fmt(_get(r, 'one_tick', 'runs_per_s'))} runs/s in one tick vs "
                           f"spawn floor {_fmt(r.get('spawn_floor_per_s'))}/s (ratio "
                           f"{_fmt(r.get('ratio_to_floor'))}), "

@@ -21,6 +21,7 @@ from bench import (
     anchors,
     backfill,
     claim,
+    cli,
     commands,
     datasets,
     deps,
@@ -30,6 +31,7 @@ from bench import (
     memory,
     policies,
     registration,
+    seeds,
     throughput,
     web,
 )
@@ -40,7 +42,7 @@ from bench.report import compare, summary_lines, targets
 PROJECT = Path(__file__).resolve().parent.parent
 RESULTS = PROJECT / "bench" / "results"
 FIGURES = ("registration", "throughput", "latency", "fanout", "memory", "claim", "deps",
-           "backfill", "web", "commands", "history", "policies", "datasets")
+           "backfill", "web", "commands", "history", "policies", "datasets", "cli", "seeds")
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,16 @@ class Plan:
     bf_cap: int = 4
     bf_concurrency: int = 8
     cmd_jobs: int = 2000
+    seed_jobs: int = 10_000
+    seed_replicas: list[int] = field(default_factory=lambda: [1, 2])
+    seed_concurrency: list[int] = field(default_factory=lambda: [64, 500])
     ds_lat_n: int = 200
 
 
 QUICK = Plan(tp_n=5000, tp_concurrency=[500], lat_n=60, fan_jobs=2000, mem_sleep_s=3.0,
              mem_kinds=["async"], claim_finished=100_000, chain=30, chain_runs=1,
-             fan_width=200, bf_window_s=5.0, cmd_jobs=500, ds_lat_n=50)
+             fan_width=200, bf_window_s=5.0, cmd_jobs=500, ds_lat_n=50,
+             seed_replicas=[2], seed_concurrency=[64, 500])
 
 
 def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]]]:
@@ -92,6 +98,8 @@ def figure_functions(b: Bench, p: Plan) -> dict[str, Callable[[], dict[str, Any]
         # Sized by BENCH_DAY_RUNS, BENCH_DAY_RATE, BENCH_HISTORY_MAX (see bench/history.py).
         "history": lambda: history.measure(b),
         "policies": lambda: policies.measure(b, p.tp_n, p.tp_concurrency[-1]),
+        "seeds": lambda: seeds.measure(b, p.seed_jobs, p.seed_replicas, p.seed_concurrency),
+        "cli": lambda: cli.measure(b, calls=5 if b.quick else 11),
         "datasets": lambda: datasets.measure(b, p.ds_lat_n),
     }
 

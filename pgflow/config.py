@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from pgflow.dbconfig import check_url, default_home
 from pgflow.duration import parse_duration
 from pgflow.errors import ConfigError
 from pgflow.live import DEFAULT_LOG_LIMIT, MIN_LOG_LIMIT, parse_size
@@ -31,17 +32,13 @@ DEFAULT_RETENTION_S = 30 * 86400.0
 MAX_CONCURRENCY = 100_000
 
 
-def _default_home() -> Path:
-    return Path.home() / ".local" / "share" / "pgflow"
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PGFLOW_", extra="ignore", frozen=True)
 
     database_url: str | None = Field(default=None, description="libpq URL; unset = embedded")
     pooler_url: str | None = Field(
         default=None, description="libpq URL of a transaction-mode PgBouncer; unset = direct")
-    home: Path = Field(default_factory=_default_home, description="data folder")
+    home: Path = Field(default_factory=default_home, description="data folder")
     lease_ttl: Seconds = Field(default=30.0, gt=0, description="lease length without heartbeat")
     bind: str = Field(default="127.0.0.1:8080", description="host:port of the web role")
     health_bind: str | None = Field(
@@ -72,11 +69,7 @@ class Settings(BaseSettings):
     @field_validator("database_url", "pooler_url")
     @classmethod
     def _url_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.strip():
-            return None
-        if value is not None and not value.startswith(("postgresql://", "postgres://")):
-            raise ValueError("expected a URL starting with postgresql://")
-        return value
+        return check_url(value)
 
     @field_validator("lease_ttl")
     @classmethod

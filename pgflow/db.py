@@ -23,18 +23,21 @@ import contextlib
 import re
 import sys
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import migrate
-from pgflow.config import Settings
 from pgflow.errors import DatabaseUnavailable
 from pgflow.queries import q
 
+if TYPE_CHECKING:  # pydantic is not imported by commands that only connect
+    from pgflow.config import Settings
+    from pgflow.dbconfig import DatabaseSettings
 
-def resolve_url(settings: Settings, *, announce: bool = True) -> str:
+
+def resolve_url(settings: Settings | DatabaseSettings, *, announce: bool = True) -> str:
     if settings.database_url:
         return settings.database_url
     from pgflow.embedded import embedded_cluster

@@ -24,6 +24,9 @@ of an unpaused job (the ``jobs_due_idx`` index), a NOTIFY on ``pgflow_jobs``
 scheduling transaction runs *on the lock connection*. A backlog of any size
 is many short passes, so the heartbeat never waits longer than one pass.
 The alert evaluation (pgflow/alerts) runs in that loop too, every few seconds.
+A tick due within ``TICK_GUARD_S`` is kept clear: the periodic chores (safety net,
+pruning, alerts) wait until its pass ran, and an idle 1 s cycle that would end just
+before it ends a guard earlier instead, so the pass starts on time (issue 16).
 
 Frozen leaders. A leader process that is stopped (SIGSTOP, a debugger, a
 blocked event loop) keeps its session open, so it keeps the lock and nobody
@@ -98,6 +101,8 @@ BACKOFF_CAP = 5.0
 BUSY_NAP = 0.1
 # How long a standby waits for a terminated leader session to exit.
 TERMINATE_WAIT_MS = 2000
+# Chores and idle cycles stay this far from the next tick (its pass must start on time).
+TICK_GUARD_S = 0.3
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,7 @@ class Leadership:
         self._log = log.bind(component="scheduler", replica_id=replica_id)
         self._term: int | None = None
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
+        self._tick_at: float | None = None  # time.monotonic() of the next tick, as last read
         self._failures = 0
 
     @property
@@ -234,22 +240,28 @@ class Leadership:
         try:
             while not stop.is_set():
                 # Dataset-triggered runs first: an event's NOTIFY is what woke us, most
-                # likely (datasets.py); then cron ticks.
+                # likely (datasets.py); then cron ticks. Unless a tick is what woke us:
+                # then its pass comes first, on time.
+                tick_first = self._tick_reached()
+                if tick_first:
+                    result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 fired = await datasets.consume(conn, before_pass=lambda: self._heartbeat(conn))
                 if fired.runs:
                     self._log.info("dataset-triggered runs", runs=len(fired.runs),
                                    events=fired.events)
-                result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
+                if not tick_first:
+                    result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
                 self._report(result)
                 await self._heartbeat(conn)
                 released = await backfill.release(conn)
                 if released:
                     self._log.debug("released backfill runs", runs=released)
-                if net.due():
+                clear = self._clear_of_tick()
+                if clear and net.due():
                     await net.run(conn, self.lease_ttl, self._log)
-                if pruner.due():
+                if clear and pruner.due():
                     await pruner.run(conn, self._log)
-                if alerting.due():
+                if clear and alerting.due():
                     await alerting.run(conn, public_url=self.public_url,
                                        lease_ttl=self.lease_ttl, log=self._log)
                 if not result.more and not pruner.behind and not fired.more:  # backlog: go on
@@ -271,15 +283,29 @@ class Leadership:
         self, conn: AsyncConnection[Any], stop: asyncio.Event, result: SchedulePass
     ) -> None:
         seconds = await _fetch_value(conn, "seconds_until_due", {})
+        self._tick_at = None if seconds is None else time.monotonic() + seconds
         if seconds is None:
             timeout = self.max_sleep
         elif seconds > 0:
             # A millisecond late, so the pass's now() is surely past the fire time.
             timeout = min(seconds + 0.001, self.max_sleep)
+            if 0 < seconds - self.max_sleep < TICK_GUARD_S:
+                timeout = seconds - TICK_GUARD_S  # the next cycle ends clear of the tick
         else:
             timeout = BUSY_NAP if result.jobs_due == 0 else 0.0
         if timeout > 0:
             await _notified_or_stopped(conn, stop, timeout)
+
+    def _tick_reached(self) -> bool:
+        """The next tick, as last read, has come (the leader slept until it)."""
+        return self._tick_at is not None and time.monotonic() >= self._tick_at
+
+    def _clear_of_tick(self) -> bool:
+        """No tick is expected within ``TICK_GUARD_S`` (as of the last look): chores may run.
+        A tick already past was just handled by the pass. A stale estimate (definitions
+        changed since) costs at most one postponed chore."""
+        now = time.monotonic()
+        return self._tick_at is None or not now <= self._tick_at < now + TICK_GUARD_S
 
     def _report(self, result: SchedulePass) -> None:
         if result.runs_created:

@@ -140,8 +140,10 @@ def test_unreachable_database_is_one_line_without_traceback(tmp_path: Path) -> N
 
 
 def test_invalid_setting_is_one_line(tmp_path: Path) -> None:
+    # A command checks the settings it uses: `status` reads the lease TTL (`jobs list`,
+    # which only connects, does not load it; tests/test_cli_startup.py).
     env = subprocess_env(PGFLOW_LEASE_TTL="forever", PGFLOW_DATABASE_URL="postgresql://x@/y")
-    done = subprocess.run([sys.executable, "-m", "pgflow", "jobs", "list"], env=env,
+    done = subprocess.run([sys.executable, "-m", "pgflow", "status"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert done.stderr.startswith("error: invalid setting PGFLOW_LEASE_TTL='forever'")

@@ -13,15 +13,19 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import psycopg
 
-from pgflow import db
-from pgflow.config import Settings, load_settings
+from pgflow.cli._lazy import LazyGroup
 from pgflow.errors import NotFound, PgflowError
 from pgflow.queries import q
+
+if TYPE_CHECKING:  # imported on first use: `pgflow --help` needs neither (cli/_lazy.py)
+    import psycopg
+
+    from pgflow.config import Settings
+    from pgflow.dbconfig import DatabaseSettings
 
 
 class Ctx:
@@ -30,12 +34,15 @@ class Ctx:
     def __init__(self, database_url: str | None, home: str | None) -> None:
         self._overrides: dict[str, Any] = {"database_url": database_url, "home": home}
         self._settings: Settings | None = None
+        self._database: DatabaseSettings | None = None
         self._url: str | None = None
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
 
     @property
     def settings(self) -> Settings:
         if self._settings is None:
+            from pgflow.config import load_settings
+
             self._settings = load_settings(**self._overrides)
         return self._settings
 
@@ -43,16 +50,30 @@ class Ctx:
         """Flags of a subcommand win over the group's flags and the environment."""
         self._overrides.update({k: v for k, v in values.items() if v is not None})
         self._settings = None
+        self._database = None
         self._url = None
+
+    @property
+    def database(self) -> DatabaseSettings:
+        """Only where the database is: cheaper than ``settings`` (no pydantic)."""
+        if self._database is None:
+            from pgflow.dbconfig import load_database_settings
+
+            self._database = load_database_settings(**self._overrides)
+        return self._database
 
     def url(self) -> str:
         if self._url is None:
-            self._url = db.resolve_url(self.settings)
+            from pgflow import db
+
+            self._url = db.resolve_url(self.database)
         return self._url
 
     def conn(self) -> psycopg.Connection[dict[str, Any]]:
         if self._conn is None:
-            self._conn = db.connect_migrated(self.url(), self.settings.pooler_url)
+            from pgflow import db
+
+            self._conn = db.connect_migrated(self.url(), self.database.pooler_url)
         return self._conn
 
 
@@ -89,7 +110,7 @@ def emit_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--database-url", envvar="PGFLOW_DATABASE_URL", help="libpq URL (default: embedded).")
 @click.option("--home", envvar="PGFLOW_HOME", help="Data folder (embedded cluster, secrets).")
 @click.version_option(package_name="pgflow")
@@ -144,17 +165,21 @@ def run(argv: Sequence[str] | None = None, *, invoke: Callable[..., Any] | None 
     except PgflowError as exc:
         click.echo(f"error: {exc}", err=True)
         return 1
-    except psycopg.Error as exc:
-        if debug:
-            raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        click.echo(f"error: database error: {first}", err=True)
-        return 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if debug:
             raise
+        if _is_database_error(exc):
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            click.echo(f"error: database error: {first}", err=True)
+            return 1
         click.echo(f"error: internal error: {type(exc).__name__}: {exc}"
                    " (PGFLOW_DEBUG=1 shows the traceback)", err=True)
         return 70
+
+
+def _is_database_error(exc: Exception) -> bool:
+    """A psycopg error; without importing psycopg when no command did."""
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.Error)

@@ -6,7 +6,6 @@ import json
 
 import click
 
-from pgflow import registry
 from pgflow.cli._base import Ctx, emit_json, emit_table, fetch_job, json_option, pass_ctx
 from pgflow.queries import q
 
@@ -49,6 +48,8 @@ def jobs_show(ctx: Ctx, name: str, as_json: bool) -> None:
 
 
 def _set_paused(ctx: Ctx, name: str, paused: bool) -> None:
+    from pgflow import registry  # pydantic and croniter: not for `jobs list`
+
     registry.set_paused(ctx.conn(), name, paused)
     click.echo(f"{name} {'paused' if paused else 'resumed'}")
 
@@ -74,5 +75,7 @@ def jobs_resume(ctx: Ctx, name: str) -> None:
 @pass_ctx
 def jobs_delete(ctx: Ctx, name: str) -> None:
     """Delete a job; its run history stays, its unstarted runs are cancelled."""
+    from pgflow import registry
+
     registry.delete(ctx.conn(), name)
     click.echo(f"{name} deleted")

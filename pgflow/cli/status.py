@@ -16,7 +16,8 @@ from pgflow.cli._base import Ctx, emit_json, emit_table, json_option, pass_ctx
 @pass_ctx
 def status_command(ctx: Ctx, as_json: bool) -> None:
     """Replicas, their roles, the leader and queue depth by state and tenant."""
-    report = status.cluster_status(ctx.conn(), ctx.settings.lease_ttl)
+    lease_ttl = ctx.settings.lease_ttl  # a bad setting is reported before connecting
+    report = status.cluster_status(ctx.conn(), lease_ttl)
     report["breakers"] = [b for b in breakers.list_breakers(ctx.conn())
                           if b["state"] != "closed" or b["failures"]]
     report["breaker_transitions"] = breakers.recent_transitions(ctx.conn(), 10)

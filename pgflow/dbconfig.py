@@ -1,0 +1,58 @@
+"""Where the database is: the three settings a command needs to connect.
+
+``pgflow jobs list`` and the other short commands only connect; loading the full
+``Settings`` (pydantic, ``pgflow/config.py``) would cost more than the command itself.
+These three are read here the same way (flags over ``PGFLOW_*`` over defaults) with the
+same checks and messages; ``config.Settings`` uses the same check and default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pgflow.errors import ConfigError
+
+
+def default_home() -> Path:
+    return Path.home() / ".local" / "share" / "pgflow"
+
+
+def check_url(value: str | None) -> str | None:
+    """A libpq URL, None for blank; ValueError for anything that is not postgresql://."""
+    if value is not None and not value.strip():
+        return None
+    if value is not None and not value.startswith(("postgresql://", "postgres://")):
+        raise ValueError("expected a URL starting with postgresql://")
+    return value
+
+
+@dataclass(frozen=True)
+class DatabaseSettings:
+    database_url: str | None
+    pooler_url: str | None
+    home: Path
+
+
+def load_database_settings(environ: Mapping[str, str] | None = None,
+                           **overrides: Any) -> DatabaseSettings:
+    """``database_url``, ``pooler_url`` and ``home`` like ``config.load_settings`` reads
+    them; raises ConfigError naming the setting and the bad value."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for name in ("database_url", "pooler_url", "home"):
+        override = overrides.get(name)
+        flag = override is not None
+        raw = override if flag else env.get(f"PGFLOW_{name.upper()}")
+        if name == "home":
+            values[name] = Path(raw).expanduser() if raw is not None else default_home()
+            continue
+        try:
+            values[name] = check_url(raw)
+        except ValueError as exc:
+            source = "flag --" + name.replace("_", "-") if flag else "PGFLOW_" + name.upper()
+            raise ConfigError(f"invalid setting {source}={raw!r}: {exc}") from None
+    return DatabaseSettings(**values)
