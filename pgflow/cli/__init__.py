@@ -18,7 +18,7 @@ COMMANDS: dict[str, C] = {
     "alerts": C("pgflow.cli.alerts:alerts_group",
                 "Alert incidents and webhook notifications ([alerts.NAME] tables)."),
     "apply": C("pgflow.cli.apply:apply_command",
-               "Register jobs (and tenants, sources) from TOML files, folders of them, or"
+               "Register jobs (and tenants, sources, alerts) from TOML files, folders or"
                " module:attr."),
     "backfill": C("pgflow.cli.backfill:backfill_command",
                   "Re-run job NAME for every tick in [--start, --end); or list, show ID,"

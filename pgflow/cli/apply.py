@@ -14,7 +14,7 @@ from pgflow.cli._base import Ctx, emit_json, json_option, pass_ctx
 @json_option
 @pass_ctx
 def apply_command(ctx: Ctx, sources: tuple[str, ...], prune: bool, as_json: bool) -> None:
-    """Register jobs (and tenants, sources) from TOML files, folders of them, or module:attr."""
+    """Register jobs (and tenants, sources, alerts) from TOML files, folders or module:attr."""
     loaded = registry.load_sources(sources)
     result = registry.apply(ctx.conn(), loaded.specs, prune=prune, source=", ".join(sources),
                             invalid=loaded.errors, policies=loaded.policies)
