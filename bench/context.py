@@ -4,7 +4,7 @@ few pgflow calls that set up a workload (register jobs, enqueue runs, read resul
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -121,3 +121,19 @@ def one(conn: Conn, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> di
 def floats(conn: Conn, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[float]:
     cur = conn.cursor(row_factory=tuple_row)
     return [float(r[0]) for r in cur.execute(sql, params).fetchall() if r[0] is not None]
+
+
+def each_configuration(measure_one: Callable[[Bench, int, int, int], dict[str, Any]], b: Bench,
+                       n: int, replica_counts: Sequence[int],
+                       concurrencies: Sequence[int]) -> list[dict[str, Any]]:
+    """``measure_one`` for every (replicas, concurrency); a configuration that fails is
+    recorded with its error and the others still run."""
+    runs: list[dict[str, Any]] = []
+    for replicas in replica_counts:
+        for concurrency in concurrencies:
+            try:
+                runs.append({"ok": True, **measure_one(b, n, replicas, concurrency)})
+            except Exception as exc:
+                runs.append({"ok": False, "replicas": replicas, "concurrency": concurrency,
+                             "error": f"{type(exc).__name__}: {exc}"})
+    return runs

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from bench import procs
-from bench.context import Bench, one, register, wait_registered
+from bench.context import Bench, each_configuration, one, register, wait_registered
 from bench.fanout import SPREAD_SQL, _jobs, _poll_created, _tick
 
 ROLES = ("scheduler", "worker", "reaper")
@@ -71,14 +71,7 @@ def measure_one(b: Bench, n: int, replicas: int, concurrency: int) -> dict[str, 
 
 def measure(b: Bench, n: int, replica_counts: list[int],
             concurrencies: list[int]) -> dict[str, Any]:
-    runs = []
-    for replicas in replica_counts:
-        for concurrency in concurrencies:
-            try:
-                runs.append({"ok": True, **measure_one(b, n, replicas, concurrency)})
-            except Exception as exc:  # recorded; the other configurations still run
-                runs.append({"ok": False, "replicas": replicas, "concurrency": concurrency,
-                             "error": f"{type(exc).__name__}: {exc}"})
+    runs = each_configuration(measure_one, b, n, replica_counts, concurrencies)
     ok = [r for r in runs if r["ok"]]
     best = max(ok, key=lambda r: r["runs_per_s"], default=None)
     return {

@@ -8,7 +8,16 @@ import time
 from typing import Any
 
 from bench import procs
-from bench.context import Bench, count_runs, enqueue, floats, one, register, unfinished
+from bench.context import (
+    Bench,
+    count_runs,
+    each_configuration,
+    enqueue,
+    floats,
+    one,
+    register,
+    unfinished,
+)
 from bench.stats import decile_rates
 
 NOOP = {"name": "noop", "entrypoint": "bench.jobs:noop"}
@@ -81,14 +90,7 @@ def _result(conn: Any, n: int, replicas: int, concurrency: int, enqueue_s: float
 
 def measure(b: Bench, n: int, replica_counts: list[int],
             concurrencies: list[int]) -> dict[str, Any]:
-    runs = []
-    for replicas in replica_counts:
-        for concurrency in concurrencies:
-            try:
-                runs.append({"ok": True, **measure_one(b, n, replicas, concurrency)})
-            except Exception as exc:  # recorded; the other configurations still run
-                runs.append({"ok": False, "replicas": replicas, "concurrency": concurrency,
-                             "error": f"{type(exc).__name__}: {exc}"})
+    runs = each_configuration(measure_one, b, n, replica_counts, concurrencies)
     ok = [r for r in runs if r["ok"]]
     best = max(ok, key=lambda r: r["jobs_per_s"], default=None)
     best_by_replicas = {

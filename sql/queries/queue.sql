@@ -31,15 +31,10 @@ SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS
 FROM claimed c
 LEFT JOIN pgflow.jobs j ON j.name = c.job
 
--- name: claim_runs
--- Claim up to %(limit)s runs for one worker: highest priority first; among equal
--- priorities, tenants share the slots by weight, cluster-wide (pgflow/policies.py):
--- each waiting tenant (a skip scan of runs_claimable_idx, one probe per tenant) offers
--- its best %(limit)s runs, and a run's place is (running + k) / weight for its tenant's
--- k-th candidate. Runs that count against a cap (capped) or wait for a breaker (held)
--- are not in that index. A breaker opened with plain SQL (no held flags yet) holds its
--- runs too: the check costs one lookup per statement while every breaker is closed.
-WITH RECURSIVE waiting(tenant) AS (
+-- fragment: waiting_tenants
+-- The tenants with a claimable uncapped run: a skip scan of runs_claimable_idx, one
+-- probe per tenant, whatever the backlog.
+tenants(tenant) AS (
     (SELECT tenant FROM pgflow.runs
      WHERE state IN ('queued', 'retrying') AND NOT capped AND NOT held
      ORDER BY tenant LIMIT 1)
@@ -48,9 +43,21 @@ WITH RECURSIVE waiting(tenant) AS (
             WHERE r.state IN ('queued', 'retrying') AND NOT r.capped AND NOT r.held
               AND r.tenant > w.tenant
             ORDER BY r.tenant LIMIT 1)
-    FROM waiting w WHERE w.tenant IS NOT NULL
-), contest AS MATERIALIZED (
-    SELECT count(*) > 1 AS shared FROM waiting WHERE tenant IS NOT NULL
+    FROM tenants w WHERE w.tenant IS NOT NULL
+)
+
+-- name: claim_runs
+-- Claim up to %(limit)s runs for one worker: highest priority first; among equal
+-- priorities, tenants share the slots by weight, cluster-wide (pgflow/policies.py):
+-- each waiting tenant (a skip scan of runs_claimable_idx, one probe per tenant) offers
+-- its best %(limit)s runs, and a run's place is (running + k) / weight for its tenant's
+-- k-th candidate. Runs that count against a cap (capped) or wait for a breaker (held)
+-- are not in that index. A breaker opened with plain SQL (no held flags yet) holds its
+-- runs too: the check costs one lookup per statement while every breaker is closed.
+WITH RECURSIVE
+-- include: waiting_tenants
+, contest AS MATERIALIZED (
+    SELECT count(*) > 1 AS shared FROM tenants WHERE tenant IS NOT NULL
 ), running AS (
     -- read only when tenants compete
     SELECT tenant, count(*) AS n FROM pgflow.runs
@@ -58,7 +65,7 @@ WITH RECURSIVE waiting(tenant) AS (
     GROUP BY tenant
 ), candidates AS (
     SELECT c.id, c.priority, c.available_at, w.tenant, coalesce(t.weight, 1) AS weight
-    FROM waiting w
+    FROM tenants w
     LEFT JOIN pgflow.tenants t ON t.name = w.tenant
     CROSS JOIN LATERAL (
         SELECT r.id, r.priority, r.available_at FROM pgflow.runs r
@@ -102,17 +109,9 @@ WITH RECURSIVE waiting(job) AS (
               AND r.job > w.job
             ORDER BY r.job LIMIT 1)
     FROM waiting w WHERE w.job IS NOT NULL
-), tenants(tenant) AS (
-    (SELECT tenant FROM pgflow.runs
-     WHERE state IN ('queued', 'retrying') AND NOT capped AND NOT held
-     ORDER BY tenant LIMIT 1)
-    UNION ALL
-    SELECT (SELECT r.tenant FROM pgflow.runs r
-            WHERE r.state IN ('queued', 'retrying') AND NOT r.capped AND NOT r.held
-              AND r.tenant > w.tenant
-            ORDER BY r.tenant LIMIT 1)
-    FROM tenants w WHERE w.tenant IS NOT NULL
-), best AS (
+),
+-- include: waiting_tenants
+, best AS (
     SELECT w.job, b.priority, b.available_at
     FROM waiting w
     LEFT JOIN pgflow.jobs j ON j.name = w.job
