@@ -15,6 +15,26 @@
 --     that dead letter must find it to resume it (restore_downstreams). Such a chain
 --     goes one level per pass once the dead letter is acknowledged.
 
+-- fragment: prunable_run
+-- Run r may go: finished before the cutoff, not a dead letter still waiting for an
+-- operator, no downstream run at its logical time still to come, and (upstream_failed)
+-- no upstream an operator may still retry. Each dependency test reads job_deps first and
+-- then one run by its unique key (a scalar subquery cannot be turned into a join that
+-- starts from the queue).
+r.finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(retention_s)s)
+AND (r.state IN ('succeeded', 'cancelled', 'upstream_failed')
+     OR (r.state = 'failed' AND r.acked_at IS NOT NULL))
+AND NOT EXISTS (
+    SELECT 1 FROM pgflow.job_deps d
+    WHERE d.upstream = r.job
+      AND (SELECT p.state IN ('pending', 'queued', 'running', 'retrying')
+           FROM pgflow.runs p WHERE p.job = d.job AND p.logical_time = r.logical_time))
+AND (r.state <> 'upstream_failed' OR NOT EXISTS (
+    SELECT 1 FROM pgflow.job_deps d
+    WHERE d.job = r.job
+      AND (SELECT u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL)
+           FROM pgflow.runs u WHERE u.job = d.upstream AND u.logical_time = r.logical_time)))
+
 -- name: prune_runs
 -- One batch: the %(limit)s oldest finished runs after the cursor (%(after_finished)s,
 -- %(after_id)s; NULLs start at the oldest) are the candidates (runs_finished_idx); those
@@ -42,22 +62,8 @@ WITH candidates AS (
     FROM pgflow.runs r
     WHERE r.id IN (SELECT id FROM candidates)
       -- Rechecked on the row as locked: a run retried since the snapshot no longer matches.
-      AND r.finished_at < coalesce(%(now)s::timestamptz, now())
-                          - make_interval(secs => %(retention_s)s)
-      AND (r.state IN ('succeeded', 'cancelled', 'upstream_failed')
-           OR (r.state = 'failed' AND r.acked_at IS NOT NULL))
-      -- Each dependency test reads job_deps first and then one run by its unique key
-      -- (a scalar subquery cannot be turned into a join that starts from the queue).
-      AND NOT EXISTS (
-          SELECT 1 FROM pgflow.job_deps d
-          WHERE d.upstream = r.job
-            AND (SELECT p.state IN ('pending', 'queued', 'running', 'retrying')
-                 FROM pgflow.runs p WHERE p.job = d.job AND p.logical_time = r.logical_time))
-      AND (r.state <> 'upstream_failed' OR NOT EXISTS (
-          SELECT 1 FROM pgflow.job_deps d
-          WHERE d.job = r.job
-            AND (SELECT u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL)
-                 FROM pgflow.runs u WHERE u.job = d.upstream AND u.logical_time = r.logical_time)))
+      AND
+      -- include: prunable_run
     FOR UPDATE OF r SKIP LOCKED
 ), gone AS (
     DELETE FROM pgflow.runs r USING doomed d WHERE r.id = d.id
@@ -92,20 +98,8 @@ SELECT r.state, count(*)::bigint AS runs, min(r.finished_at) AS oldest,
        max(r.finished_at) AS newest
 FROM pgflow.runs r
 WHERE r.finished_at IS NOT NULL
-  AND r.finished_at < coalesce(%(now)s::timestamptz, now())
-                      - make_interval(secs => %(retention_s)s)
-  AND (r.state IN ('succeeded', 'cancelled', 'upstream_failed')
-       OR (r.state = 'failed' AND r.acked_at IS NOT NULL))
-  AND NOT EXISTS (
-      SELECT 1 FROM pgflow.job_deps d
-      WHERE d.upstream = r.job
-        AND (SELECT p.state IN ('pending', 'queued', 'running', 'retrying')
-             FROM pgflow.runs p WHERE p.job = d.job AND p.logical_time = r.logical_time))
-  AND (r.state <> 'upstream_failed' OR NOT EXISTS (
-      SELECT 1 FROM pgflow.job_deps d
-      WHERE d.job = r.job
-        AND (SELECT u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL)
-             FROM pgflow.runs u WHERE u.job = d.upstream AND u.logical_time = r.logical_time)))
+  AND
+  -- include: prunable_run
 GROUP BY r.state
 ORDER BY r.state
 
