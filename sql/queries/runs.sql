@@ -13,6 +13,13 @@ SELECT name FROM pgflow.jobs ORDER BY name
 -- name: run_by_logical_time
 SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND logical_time = %(logical_time)s
 
+-- fragment: run_list_filters
+-- The optional filters every listing of runs takes (null: no filter).
+AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
+AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
+AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
+AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+
 -- name: runs_list_all
 -- Listings (CLI, API, pages) take the filter's own index, and page with id < cursor
 -- (an index condition).
@@ -20,10 +27,7 @@ SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, pri
        cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
 FROM pgflow.runs
 WHERE id < coalesce(%(before_id)s::bigint, 9223372036854775807)
-  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
-  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
-  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
-  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+  -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
 
@@ -34,10 +38,7 @@ FROM pgflow.runs
 WHERE job = %(job)s
   AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
   AND (%(state)s::text IS NULL OR state = %(state)s)
-  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
-  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
-  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
-  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+  -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
 
@@ -47,10 +48,7 @@ SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, pri
 FROM pgflow.runs
 WHERE state = %(state)s
   AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
-  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
-  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
-  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
-  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+  -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
 
@@ -82,10 +80,7 @@ FROM pgflow.runs
 WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
   AND (%(job)s::text IS NULL OR job = %(job)s)
   AND (%(state)s::text IS NULL OR state = %(state)s)
-  AND (%(tenant)s::text IS NULL OR tenant = %(tenant)s)
-  AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
-  AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
-  AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
+  -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
 
