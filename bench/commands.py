@@ -25,6 +25,7 @@ from typing import Any
 
 from bench import procs
 from bench.context import Bench, one, register, wait_registered
+from bench.fanout import tick_in
 
 FLOOR_N = 2000
 FLOOR_CONCURRENCY = 128
@@ -95,13 +96,6 @@ def _descendants(pid: int) -> list[int]:
 # ---------------------------------------------------------------- (b) one tick
 
 
-def _tick(conn: Any, lead_s: int) -> datetime:
-    row = one(conn, "SELECT date_trunc('second', now()) + make_interval(secs => %s) AS t",
-              (lead_s,))
-    tick: datetime = row["t"]
-    return tick
-
-
 def _tick_jobs(n: int, tick: datetime) -> list[dict[str, Any]]:
     schedule = f"{tick.second} {tick.minute} {tick.hour} * * *"
     return [{"name": f"cmd_{i:05d}", "schedule": schedule, "timezone": "UTC",
@@ -115,7 +109,7 @@ def _one_tick(b: Bench, n: int, replicas: int, concurrency: int) -> dict[str, An
             b.replicas("commands-tick", roles=roles, concurrency=concurrency,
                        count=replicas) as started:
         wait_registered(conn, started)
-        tick = _tick(conn, TICK_LEAD_S)
+        tick = tick_in(conn, TICK_LEAD_S)
         register(conn, _tick_jobs(n, tick))
         if not one(conn, "SELECT now() < %s AS ok", (tick,))["ok"]:
             raise RuntimeError("registration outlasted the tick lead")

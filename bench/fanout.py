@@ -33,7 +33,8 @@ SELECT count(*) AS runs,
 FROM pgflow.runs"""
 
 
-def _tick(conn: Any, lead_s: int) -> datetime:
+def tick_in(conn: Any, lead_s: int) -> datetime:
+    """The whole database second ``lead_s`` seconds from now: a tick jobs can be set to."""
     row = one(conn, "SELECT date_trunc('second', now()) + make_interval(secs => %s) AS t",
               (lead_s,))
     tick: datetime = row["t"]
@@ -64,7 +65,7 @@ def measure(b: Bench, n: int, workers: int, concurrency: int) -> dict[str, Any]:
             b.replicas("fanout-scheduler", roles=("scheduler",)) as leader, \
             b.replicas("fanout-worker", concurrency=concurrency, count=workers) as started:
         wait_registered(conn, leader + started)
-        tick = _tick(conn, LEAD_S)
+        tick = tick_in(conn, LEAD_S)
         t0 = time.perf_counter()
         register(conn, _jobs(n, tick))
         register_s = time.perf_counter() - t0

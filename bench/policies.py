@@ -89,11 +89,12 @@ def _claim_cost(b: Bench) -> dict[str, Any]:
     b.fresh_database()
     out: dict[str, Any] = {}
     with b.connect() as conn:
-        register(conn, [{"name": "noop", "entrypoint": "bench.jobs:noop"},
-                        {"name": "heldjob", "entrypoint": "bench.jobs:noop",
-                         "sources": ["down"]}]
-                 + [{"name": f"t{i}", "entrypoint": "bench.jobs:noop", "tenant": f"tenant{i}"}
-                    for i in range(10)])
+        jobs: list[dict[str, Any]] = [
+            {"name": "noop", "entrypoint": "bench.jobs:noop"},
+            {"name": "heldjob", "entrypoint": "bench.jobs:noop", "sources": ["down"]}]
+        jobs += [{"name": f"t{i}", "entrypoint": "bench.jobs:noop", "tenant": f"tenant{i}"}
+                 for i in range(10)]
+        register(conn, jobs)
         enqueue(conn, "noop", 1000, chunk=1000)
         conn.execute("ANALYZE pgflow.runs")
         out["baseline_1000_claimable"] = _explain(conn)

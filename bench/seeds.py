@@ -16,7 +16,7 @@ from typing import Any
 
 from bench import procs
 from bench.context import Bench, each_configuration, one, register, wait_registered
-from bench.fanout import SPREAD_SQL, _jobs, _poll_created, _tick
+from bench.fanout import SPREAD_SQL, _jobs, _poll_created, tick_in
 
 ROLES = ("scheduler", "worker", "reaper")
 TARGET_CREATE_S = 1.0
@@ -35,7 +35,7 @@ def measure_one(b: Bench, n: int, replicas: int, concurrency: int) -> dict[str, 
     with b.connect() as conn, \
             b.replicas(tag, roles=ROLES, concurrency=concurrency, count=replicas) as started:
         wait_registered(conn, started)
-        tick = _tick(conn, _lead_s(n))
+        tick = tick_in(conn, _lead_s(n))
         register(conn, _jobs(n, tick))
         if not one(conn, "SELECT now() < %s AS ok", (tick,))["ok"]:
             raise RuntimeError("registration outlasted the tick lead")
