@@ -6,10 +6,11 @@ What goes (``sql/queries/retention.sql`` has the exact rules)
 
 Runs that finished before ``now() - retention`` in a terminal state — succeeded,
 cancelled, upstream_failed, or failed *and acknowledged* — go, and their attempts go
-with them through the ``ON DELETE CASCADE`` key (so will any later table hung off a
-run the same way, such as log chunks). Dead letters (failed, not acknowledged) stay
-until ``pgflow runs ack``. Pending, queued, running and retrying runs never go: they
-have no ``finished_at``. Two dependency rules keep a DAG run's meaning intact:
+with them in the same statement (attempts carry no foreign key: it cost a query per
+finished attempt on the hot path, migration 0016); tables hung off a run by an ``ON
+DELETE CASCADE`` key, such as log chunks, go through it. Dead letters (failed, not
+acknowledged) stay until ``pgflow runs ack``. Pending, queued, running and retrying
+runs never go: they have no ``finished_at``. Two dependency rules keep a DAG run's meaning intact:
 
 * a run stays while a run of one of its direct downstream jobs at the same logical
   time is not finished: a pending run reads its upstreams' runs, and a *missing*
@@ -51,7 +52,8 @@ pruners at once (a leader change mid-pass) skip each other's locked rows.
 ``pgflow db status``.
 
 Tables added later follow the same rule by hanging off a run with an ``ON DELETE
-CASCADE`` key (rows of the run: log chunks), or with a statement of their own here,
+CASCADE`` key (rows of the run written off the hot path: log chunks), or with a
+statement of their own here,
 run in the same pass (rows with their own lifetime, e.g. delivered notifications
 older than the retention; consumed dataset events once no consumer can need them).
 
@@ -72,7 +74,9 @@ PostgreSQL 15 with stock settings, ``bench/history.py``):
 * Prune throughput: 2,000-run batches (with their attempts) took 53-57 ms at
   1,000,000 and 63 ms at 10,000,000 finished runs: 32,000-37,000 runs/s, flat with
   history. Deleting the attempts through the cascade key beat deleting them in a CTE
-  of the same statement (35,000 vs 27,000 runs/s, 5,000-run batches, fsync off).
+  of the same statement (35,000 vs 27,000 runs/s, 5,000-run batches, fsync off), but
+  the key's check on every finished attempt cost the hot path more (about 3 µs a run,
+  15 % of the finish statement), so the CTE it is since migration 0016.
   "Millions a day" is tens of runs a second. In the load test (2 replicas, 1,000,000
   no-op runs at 3,000/s, retention 10 s) the leader kept up: at most 4,500 runs (1.5 s
   of them) were past the retention at once, the runs table stayed at 210 MB from the

@@ -3,11 +3,15 @@
 Every root job (one with a schedule) persists the instant of its next tick in
 ``pgflow.jobs.next_fire_at``. A scheduling pass locks the due jobs, decides in
 Python which logical times to create (``plan_fires``, pure), then creates all
-their runs with one ``create_runs`` and advances all their fire times with one
-UPDATE, in the same transaction. A tick is therefore consumed exactly when its
-run is committed: a crash before the commit leaves both untouched (the next
-pass fires it), and ``UNIQUE (job, logical_time)`` turns a repeated attempt
-into a no-op. Because the fire time is persisted, ticks missed while no
+their runs with one ``create_runs`` and commits; then it advances all their fire
+times with one UPDATE, guarded by the fire times it planned from (a job registered
+again meanwhile keeps its new time). ``UNIQUE (job, logical_time)`` makes a tick
+fire once whatever happens between the two: a crash before the first commit leaves
+everything untouched, a crash before the second leaves the tick due, and the next
+pass then creates nothing for it (a repeated insert is a no-op) and advances it.
+The runs are visible before the fire times move, which in a tick of 10,000 jobs is
+about 0.1 s sooner (the UPDATE rewrites every job row and its seven index entries).
+Because the fire time is persisted, ticks missed while no
 scheduler ran are seen on restart and handled by the job's ``catchup`` policy.
 
 Time is the database's: ``now()`` of the pass's transaction, or a pinned
@@ -141,6 +145,7 @@ class _Plan:
     dag_jobs: list[str] = field(default_factory=list)
     dag_times: list[datetime] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    planned_from: list[datetime] = field(default_factory=list)  # their fire times as read
     next_times: list[datetime | None] = field(default_factory=list)
     fired: int = 0
     broken: list[str] = field(default_factory=list)
@@ -173,9 +178,11 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime,
         except (CronError, ValueError):
             plan.broken.append(row["name"])
             plan.names.append(row["name"])
+            plan.planned_from.append(row["next_fire_at"])
             plan.next_times.append(None)
             continue
         plan.names.append(row["name"])
+        plan.planned_from.append(row["next_fire_at"])
         plan.next_times.append(next_fire_at)
         budget -= len(fires) * weight
         plan.still_due = plan.still_due or next_fire_at <= now
@@ -215,7 +222,8 @@ async def run_once(
 async def _one_pass(
     conn: AsyncConnection[Any], now: datetime | None, batch: int, result: SchedulePass
 ) -> bool:
-    """One transaction; returns whether due work remains."""
+    """One transaction that creates runs, then the advance of the fire times; returns
+    whether due work remains."""
     async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(q("scheduler_now"), {"now": now})
         clock = await cur.fetchone()
@@ -244,9 +252,10 @@ async def _one_pass(
             # --no-downstream, another root's backfill) go ahead in this transaction.
             await deps.settle_async(conn, [r["id"] for r in dag_runs if r["state"] == "pending"],
                                     fresh=[r["id"] for r in dag_runs])
-        if plan.names:
-            await cur.execute(q("advance_jobs"), {"names": plan.names,
-                                                  "times": plan.next_times}, binary=True)
+    if plan.names:
+        await conn.execute(q("advance_jobs"), {
+            "names": plan.names, "planned": plan.planned_from, "times": plan.next_times},
+            binary=True)
     result.jobs_due += len(plan.names)
     result.jobs_fired += plan.fired
     result.runs_created += created

@@ -192,14 +192,24 @@ class Worker:
         abandoned sync jobs take a slot each."""
         return self.concurrency - len(self.active) - self._abandoned
 
-    async def _connect(self, *, listen: bool = False) -> psycopg.AsyncConnection[Any]:
+    async def _connect(self, *, listen: bool = False,
+                       generic_plans: bool = False) -> psycopg.AsyncConnection[Any]:
         """A session for claims, renewals and completions, through the pooler when there is
-        one; with ``listen``, the LISTEN session: always direct (a session of its own)."""
+        one; with ``listen``, the LISTEN session: always direct (a session of its own).
+        ``generic_plans``: the claim session, which plans its statements once (a direct
+        session only: sql/queries/sessions.sql)."""
         pooler = None if listen else self.pooler_url
-        return await connect_async(pooler or self.url, "worker-listen" if listen else "worker",
+        conn = await connect_async(pooler or self.url, "worker-listen" if listen else "worker",
                                    statement_timeout=self._statement_s,
                                    connect_timeout=min(10.0, self._bound_s),
                                    pooled=pooler is not None)
+        if generic_plans and pooler is None:
+            try:
+                await bounded(conn, conn.execute(q("generic_plans")), self._bound_s, "connect")
+            except BaseException:
+                await _close(conn)
+                raise
+        return conn
 
     # ------------------------------------------------------------ claim
 
@@ -212,7 +222,7 @@ class Worker:
                 await _wait(self._wake, POLL_S)
                 continue
             try:
-                conn = conn or await self._connect()
+                conn = conn or await self._connect(generic_plans=True)
                 self._wake.clear()
                 async with self._claim_gate:
                     claimed = await self._claim(conn, free)

@@ -307,3 +307,49 @@ def test_retention_never_walks_the_queue(history: tuple[Conn, dict[str, Any]],
     used = {n["Index Name"] for n in _nodes(plan) if "Index Name" in n}
     assert "runs_state_idx" not in used
     assert {"runs_finished_idx", "runs_job_logical_time_key"} <= used
+
+
+def generic_plan_of(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The plan a session with ``plan_cache_mode = force_generic_plan`` (a worker's claim
+    session: the named query generic_plans) runs for ``name``: planned for any values."""
+    query = q(name)
+    order: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        if match.group(1) not in order:
+            order.append(match.group(1))
+        return f"${order.index(match.group(1)) + 1}"
+
+    text = re.sub(r"%\((\w+)\)s", placeholder, query)
+    values = _params(query, params)
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        conn.execute(sql.SQL("PREPARE generic_plan AS {}").format(sql.SQL(text)))  # type: ignore[arg-type]
+        args = sql.SQL(", ").join(sql.Literal(values[key]) for key in order)
+        execute = sql.SQL("EXECUTE generic_plan({})").format(args) if order else \
+            sql.SQL("EXECUTE generic_plan")
+        row = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) {}").format(execute)).fetchone()
+        conn.execute("DEALLOCATE generic_plan")
+    assert row is not None
+    plan: dict[str, Any] = row["QUERY PLAN"][0]["Plan"]
+    return plan
+
+
+# label -> whether the statement claims (then it must reach the claimed rows by key)
+CLAIM_SESSION = {"claim": True, "capped waiting": False, "capped claim": True}
+
+
+@pytest.mark.parametrize("label", list(CLAIM_SESSION))
+def test_the_claim_sessions_generic_plans_read_no_history(
+        history: tuple[Conn, dict[str, Any]], label: str) -> None:
+    """The claim session plans once for all values (sql/queries/sessions.sql): those plans
+    too go through the intended index, and reach the claimed rows by primary key."""
+    conn, live = history
+    name, params, intended = statements(live)[label]
+    nodes = list(_nodes(generic_plan_of(conn, name, params)))
+    seq = [n["Relation Name"] for n in nodes
+           if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in HOT_TABLES]
+    assert not seq, f"{label}: sequential scan of {seq}"
+    used = {n["Index Name"] for n in nodes if "Index Name" in n}
+    assert used & intended, f"{label}: expected one of {intended}, plan uses {used}"
+    assert "runs_pkey" in used or not CLAIM_SESSION[label], used

@@ -217,6 +217,21 @@ def test_a_stale_fire_time_cannot_double_a_tick(conn: Conn, db_url: str) -> None
     assert fire_times(conn)["a"] == NOW + timedelta(hours=1)
 
 
+def test_a_job_registered_again_after_its_runs_keeps_its_new_fire_time(
+        conn: Conn, db_url: str) -> None:
+    """The fire times move just after the runs commit, guarded by the times the pass read:
+    an apply that lands in between (here: the advance replayed after it) wins."""
+    add_jobs(conn, [spec("a", schedule="0 * * * *")], NOW)
+    registered = NOW + timedelta(days=1)
+    conn.execute("UPDATE pgflow.jobs SET next_fire_at = %s", (registered,))
+    conn.execute(q("advance_jobs"), {"names": ["a"], "planned": [NOW],
+                                     "times": [NOW + timedelta(hours=1)]})
+    assert fire_times(conn)["a"] == registered
+    conn.execute(q("advance_jobs"), {"names": ["a"], "planned": [registered],
+                                     "times": [registered + timedelta(hours=1)]})
+    assert fire_times(conn)["a"] == registered + timedelta(hours=1)
+
+
 def test_an_unevaluable_schedule_is_stopped_not_retried_forever(conn: Conn, db_url: str) -> None:
     add_jobs(conn, [spec("ok", schedule="0 * * * *"), spec("bad", schedule="0 * * * *")], NOW)
     conn.execute("UPDATE pgflow.jobs SET timezone = 'Mars/Olympus' WHERE name = 'bad'")

@@ -12,8 +12,9 @@ claimed AS (
     SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
         lease_expires_at = now() + make_interval(secs => %(ttl)s),
         attempt_started_at = now(), started_at = coalesce(r.started_at, now())
-    FROM picked
-    WHERE r.id = picked.id
+    -- An array of ids, not a join: a join of the picked few to runs may be planned as a
+    -- hash of the whole table, read on every claim.
+    WHERE r.id = ANY (ARRAY(SELECT id FROM picked))
     RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
               r.attempt_started_at, r.cancel_requested, r.trigger, r.checkpoint
 )

@@ -39,11 +39,11 @@ AND (r.state <> 'upstream_failed' OR NOT EXISTS (
 -- One batch: the %(limit)s oldest finished runs after the cursor (%(after_finished)s,
 -- %(after_id)s; NULLs start at the oldest) are the candidates (runs_finished_idx); those
 -- that may go are locked SKIP LOCKED (a run an operator is retrying or acking right now
--- is left for the next pass, and nobody ever waits for this statement) and deleted; their
--- attempts (and any table whose rows hang off a run by an ON DELETE CASCADE key) go with
--- them through the foreign key, which measured faster than deleting them in a CTE of
--- the same statement. Returns how many candidates were looked at, the cursor to
--- continue from, and the deleted runs per state.
+-- is left for the next pass, and nobody ever waits for this statement) and deleted with
+-- their attempts (attempts have no foreign key: migration 0016); tables whose rows hang
+-- off a run by an ON DELETE CASCADE key (log chunks, dataset deliveries) go through it.
+-- Returns how many candidates were looked at, the cursor to continue from, and the
+-- deleted runs per state.
 WITH candidates AS (
     SELECT r.id, r.finished_at
     FROM pgflow.runs r
@@ -68,6 +68,9 @@ WITH candidates AS (
 ), gone AS (
     DELETE FROM pgflow.runs r USING doomed d WHERE r.id = d.id
     RETURNING r.state
+), gone_attempts AS (
+    -- by the attempts' primary key (a join was planned as a scan of all attempts)
+    DELETE FROM pgflow.attempts a WHERE a.run_id = ANY (ARRAY(SELECT id FROM doomed))
 ), last AS (
     SELECT finished_at, id FROM candidates ORDER BY finished_at DESC, id DESC LIMIT 1
 )

@@ -28,12 +28,15 @@ LIMIT %(batch)s
 FOR UPDATE SKIP LOCKED
 
 -- name: advance_jobs
--- New fire times in bulk; NULL stops a job whose schedule can no longer be evaluated
--- (registering it again recomputes the time).
+-- New fire times in bulk, just after the pass committed the runs of the ticks; NULL
+-- stops a job whose schedule can no longer be evaluated (registering it again
+-- recomputes the time). Only a job whose fire time is still the one the pass planned
+-- from moves: one registered again since then keeps its new time.
 UPDATE pgflow.jobs j
 SET next_fire_at = a.next_fire_at
-FROM unnest(%(names)s::text[], %(times)s::timestamptz[]) AS a(name, next_fire_at)
-WHERE j.name = a.name
+FROM unnest(%(names)s::text[], %(planned)s::timestamptz[], %(times)s::timestamptz[])
+    AS a(name, planned, next_fire_at)
+WHERE j.name = a.name AND j.next_fire_at IS NOT DISTINCT FROM a.planned
 
 -- name: seconds_until_due
 -- How long the leader may sleep: until the earliest unpaused fire time (negative when

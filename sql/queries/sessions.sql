@@ -18,3 +18,11 @@ SELECT set_config('jit', 'off', false),
 -- connect_query does (pgflow/pooler.py).
 SELECT current_setting('jit') AS jit,
        current_setting('client_connection_check_interval') AS connection_check
+
+-- name: generic_plans
+-- A worker's claim session plans each of its statements once: the claim is a large
+-- statement whose planning (about 0.75 ms) cost more than its execution at batches of
+-- 64 runs, and its plan does not depend on the values (the generic plans are checked
+-- at 1,000,000 finished runs in tests/test_hot_path_plans.py). Direct sessions only:
+-- a pooled session prepares nothing and keeps no setting (pgflow/pooler.py).
+SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
