@@ -91,6 +91,9 @@ class Execution:
     # the attempt ends without it, and the worker counts the thread against its
     # capacity until the function really returns (see pgflow.worker).
     thread: Future[Any] | None = None
+    # The task that runs ``run()``, when its creator says so (the worker: it saves an
+    # asyncio.current_task() per run); found by asking asyncio otherwise.
+    task: asyncio.Task[Any] | None = None
 
     def __init__(self, job: Job, logger: Any, threads: Executor | None = None, *,
                  deadline: float | None = None, log_limit: int = DEFAULT_LOG_LIMIT) -> None:
@@ -265,7 +268,7 @@ class Execution:
     async def _run_inline(self, function: Callable[..., Any]) -> AttemptResult:
         """An async job without a timeout runs in this very task (no task per run):
         ``stop`` cancels the task, and the cancellation is taken back here."""
-        task = asyncio.current_task()
+        task = self.task or asyncio.current_task()
         self._work = task
         if self._stop_outcome is not None:
             return AttemptResult(self._stop_outcome)

@@ -132,6 +132,7 @@ class Worker:
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="pgflow-job")
         self._loops: list[asyncio.Task[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # Statements are bounded on the client (a silent socket) and on the server.
         self._statement_s = max(1.0, lease_ttl)
         self._bound_s = self._statement_s + 2.0
@@ -145,6 +146,7 @@ class Worker:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()  # a task per run: no lookup each time
         self._loops = [asyncio.create_task(self._supervise(loop), name=f"worker-{loop.__name__}")
                        for loop in (self._claim_loop, self._complete_loop, self._heartbeat_loop,
                                     self._fence_loop, self._listen_loop, self._live.loop)]
@@ -335,7 +337,8 @@ class Worker:
         self._idle.clear()
         if deadline - self._fence_margin_s < self._fence_at:
             self._fence_wake.set()
-        held.task = asyncio.create_task(self._execute(held))
+        loop = self._loop or asyncio.get_running_loop()
+        held.task = execution.task = loop.create_task(self._execute(held))
 
     async def _execute(self, held: Held) -> None:
         older = held.replaces
