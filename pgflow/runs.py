@@ -56,8 +56,8 @@ def trigger(
     # A job without downstream jobs takes one plain INSERT: the trigger is on the
     # latency path. Others (and refusals) go through the DAG-run statement.
     params_json = None if params is None else Jsonb(params)
-    plain = conn.execute(q("create_plain_runs"), {
-        "jobs": [job], "times": [logical_time], "trigger": "manual", "params": params_json,
+    plain = conn.execute(q("create_plain_run"), {
+        "job": job, "logical_time": logical_time, "trigger": "manual", "params": params_json,
         "only_lone": downstream}).fetchone()
     if plain is not None:
         return int(plain["id"])

@@ -206,6 +206,9 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "plain tick": ("create_plain_runs", {
             "jobs": [f"tick-{i:03d}" for i in range(100)], "times": [tomorrow] * 100,
             "trigger": "schedule", "params": None, "only_lone": False}, set()),
+        "trigger": ("create_plain_run", {
+            "job": "tick-000", "logical_time": tomorrow, "trigger": "manual", "params": None,
+            "only_lone": True}, set()),
         "backfill release": ("release_backfill_runs", {"ids": [live["backfill_id"]]},
                              {"runs_backfill_held_idx", "runs_backfill_idx"}),
         "backfill complete": ("complete_backfills", {"ids": [live["backfill_id"]]},

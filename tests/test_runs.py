@@ -544,3 +544,16 @@ def test_retry_message_says_whether_the_run_waits_for_its_upstreams() -> None:
     assert retry_message(7, {"state": "queued"}) == "run 7 queued for retry"
     assert retry_message(7, {"state": "pending"}) == ("run 7 retried: it waits for its"
                                                       " upstream runs (pending)")
+
+
+def test_a_session_that_triggers_often_plans_the_trigger_once(conn: Conn) -> None:
+    """runs.trigger is on the latency path: once psycopg prepared its statement, the
+    server runs it with one generic plan instead of planning every call."""
+    add_job(conn, "often", command="true")
+    start = datetime(2030, 1, 1, tzinfo=UTC)
+    for i in range(20):  # psycopg prepares at the 6th; the server tries 5 custom plans
+        runs.trigger(conn, "often", start + timedelta(minutes=i))
+    row = conn.execute("SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                       " WHERE statement LIKE '%%INSERT INTO pgflow.runs%%'").fetchone()
+    assert row is not None, "the trigger statement was not prepared"
+    assert row["custom_plans"] == 5 and row["generic_plans"] == 10, row
