@@ -310,7 +310,8 @@ class Leadership:
     def _report(self, result: SchedulePass) -> None:
         if result.runs_created:
             self._log.info("scheduled runs", runs=result.runs_created,
-                           jobs=result.jobs_fired, passes=result.passes)
+                           jobs=result.jobs_fired, passes=result.passes,
+                           as_of=result.as_of.isoformat() if result.as_of else None)
         if result.broken:
             self._log.error("schedules that cannot be evaluated were stopped; register"
                             " these jobs again with a valid schedule", jobs=result.broken)

@@ -135,6 +135,9 @@ class SchedulePass:
     broken: list[str] = field(default_factory=list)
     # The last pass was full: more due jobs may be waiting.
     more: bool = False
+    # The database time the first pass that found due jobs planned for (logged: a pass
+    # logged late, by a process frozen right after it, says when it really ran).
+    as_of: datetime | None = None
 
 
 @dataclass
@@ -229,6 +232,7 @@ async def _one_pass(
         clock = await cur.fetchone()
         assert clock is not None  # a SELECT without FROM returns one row
         pass_now: datetime = clock["now"]
+        result.as_of = result.as_of or pass_now
         await cur.execute(q("due_jobs"), {"now": pass_now, "batch": batch})
         rows = await cur.fetchall()
         if not rows:

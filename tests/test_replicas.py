@@ -92,10 +92,16 @@ def attempt_outcomes(conn: Conn, run_ids: list[int]) -> dict[int, list[str]]:
     return found
 
 
-def schedulers(started: list[Replica], since: dict[str, int] | None = None) -> set[str]:
-    """Names of the replicas that logged creating scheduled runs."""
+def schedulers(started: list[Replica], since: dict[str, int] | None = None,
+               after: datetime | None = None) -> set[str]:
+    """Names of the replicas that logged creating scheduled runs (with ``after``: in a
+    pass planned at or after that database time; a replica frozen just after a pass
+    logs it when it resumes)."""
+    def counts(event: dict[str, Any]) -> bool:
+        return after is None or datetime.fromisoformat(event["as_of"]) >= after
     return {r.name for r in started
-            if r.events("scheduled runs", (since or {}).get(r.name, 0))}
+            if any(counts(e) for e in r.events("scheduled runs",
+                                               (since or {}).get(r.name, 0)))}
 
 
 # ---------------------------------------------------------------- exactly once
@@ -198,7 +204,7 @@ def test_a_frozen_leader_is_deposed_and_does_not_schedule_when_resumed(
         assert seen[-1] == "succeeded" and set(seen[:-1]) <= {"lost"}, (run_id, seen)
 
     # After it resumed, only the new leader scheduled; the leadership did not move back.
-    assert schedulers(started, offsets) == {deposer.name}
+    assert schedulers(started, offsets, after=resumed_at) == {deposer.name}
     row = conn.execute("SELECT replica_id, term FROM pgflow.leader").fetchone()
     assert row is not None
     assert (row["replica_id"], row["term"]) == (new["replica_id"], new["term"])
