@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import re
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -129,6 +130,30 @@ async def connect_async(url: str, name: str, *, statement_timeout: float | None 
         await conn.execute(q("session_limits"),
                            {"timeout": f"{max(1, round(statement_timeout * 1000))}ms"})
     return conn
+
+
+def array_literal(values: Sequence[str | datetime | None]) -> str:
+    """``values`` as the text of a PostgreSQL array (``{"a","b",NULL}``), for a parameter
+    the statement casts (``%(x)s::text[]``, ``::timestamptz[]``). psycopg dumps a list
+    element by element in Python (a 10,000-element timestamptz list took 25 ms, about
+    as long as the statement that used it); the server parses this text in C. Each
+    distinct time is formatted once (a tick's runs share a handful)."""
+    formatted: dict[datetime, str] = {}
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append("NULL")
+            continue
+        if isinstance(value, datetime):
+            text = formatted.get(value)
+            if text is None:
+                text = formatted[value] = value.isoformat()
+        else:
+            text = value
+            if '"' in text or "\\" in text:
+                text = text.replace("\\", "\\\\").replace('"', '\\"')
+        parts.append(f'"{text}"')
+    return "{" + ",".join(parts) + "}"
 
 
 class StatementTimeout(psycopg.OperationalError):
