@@ -43,7 +43,8 @@ TAIL_BYTES = 64 * 1024
 MAX_EVENTS_ENV_BYTES = 100 * 1024
 
 
-@dataclass(frozen=True)
+# These two are made for every run: not frozen (queue.Finish says why), never mutated.
+@dataclass(slots=True)
 class AttemptResult:
     outcome: str
     exit_code: int | None = None
@@ -54,7 +55,7 @@ class AttemptResult:
     unavailable_source: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Job:
     """What an execution needs to know about the run it executes."""
 
@@ -238,9 +239,10 @@ class Execution:
             function = load_entrypoint(entrypoint)
         except Exception as exc:
             return AttemptResult(FAILED, error=f"cannot load {entrypoint}: {exc}")
-        if inspect.iscoroutinefunction(function) and self.job.timeout_s is None:
+        is_async = entrypoint in _async_entrypoints
+        if is_async and self.job.timeout_s is None:
             return await self._run_inline(function)
-        if inspect.iscoroutinefunction(function):
+        if is_async:
             self._work = asyncio.ensure_future(function(self.ctx))
         else:
             self.ctx.cancelled  # noqa: B018 - make the event here, before the job's thread runs
@@ -315,6 +317,7 @@ def iso_utc(moment: datetime) -> str:
 
 
 _entrypoints: dict[str, Callable[..., Any]] = {}
+_async_entrypoints: set[str] = set()  # those whose callable is a coroutine function
 
 
 def load_entrypoint(entrypoint: str) -> Callable[..., Any]:
@@ -327,6 +330,8 @@ def load_entrypoint(entrypoint: str) -> Callable[..., Any]:
         if not callable(target):
             raise TypeError(f"{entrypoint} is not callable")
         function = _entrypoints[entrypoint] = target
+        if inspect.iscoroutinefunction(function):  # asked once, not on every run
+            _async_entrypoints.add(entrypoint)
     return function
 
 
