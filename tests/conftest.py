@@ -21,6 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from procs import Replicas
 from psycopg import sql
 from psycopg.rows import dict_row
 
@@ -110,3 +111,11 @@ def private_cluster() -> Iterator[Cluster]:
     finally:
         cluster.destroy()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
+    """Real ``pgflow serve`` replicas of this test (tests/procs.py), closed after it."""
+    started = Replicas(db_url, tmp_path)
+    yield started
+    started.close()

@@ -337,3 +337,13 @@ def pgflow(url: str, workdir: Path, *args: str, check: bool = True,
         raise AssertionError(f"pgflow {' '.join(args)} exited {done.returncode}:\n"
                              f"{done.stdout}\n{done.stderr}")
     return done
+
+
+def sh(script: str) -> list[str]:
+    """A job command running ``script`` in /bin/sh."""
+    return ["/bin/sh", "-c", script]
+
+
+def trigger(url: str, workdir: Path, job: str, *args: str) -> int:
+    """``pgflow trigger JOB ARGS...``: the new run's id."""
+    return int(pgflow(url, workdir, "trigger", job, *args).stdout.strip())

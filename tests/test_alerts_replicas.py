@@ -23,13 +23,6 @@ FAST = {"PGFLOW_ALERTS_INTERVAL": "0.3", "PGFLOW_ALERTS_POLL": "0.2",
 
 
 @pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
-
-
-@pytest.fixture
 def receiver() -> Iterator[Receiver]:
     found = Receiver()
     yield found

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,11 +25,11 @@ from engine import add_job, attempts, free_port, wait_for
 from procs import (
     Replicas,
     group_gone,
-    pgflow,
     process_gone,
     process_state,
     read_pid,
     run_state,
+    trigger,
     wait_state,
 )
 
@@ -278,17 +278,6 @@ def test_a_dead_supervisor_fails_its_attempts_kills_their_groups_and_is_replaced
 
 
 # ---------------------------------------------------------------- real replicas
-
-
-@pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
-
-
-def trigger(url: str, workdir: Path, name: str) -> int:
-    return int(pgflow(url, workdir, "trigger", name).stdout.strip())
 
 
 def parent_of(pid: int) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,8 @@ from procs import (
     read_pid,
     run_state,
     scalar,
+    sh,
+    trigger,
     wait_state,
 )
 from psycopg.rows import dict_row
@@ -40,24 +41,9 @@ Conn = psycopg.Connection[dict[str, Any]]
 FAST_RETRY = {"max_attempts": 3, "backoff": 0.1, "max_backoff": 0.1, "jitter": False}
 
 
-@pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
-
-
 def save_pid(path: Path, pid: str = "$$") -> str:
     """Shell that writes ``pid`` to ``path`` atomically."""
     return f"echo {pid} > {path}.tmp && mv {path}.tmp {path}"
-
-
-def sh(script: str) -> list[str]:
-    return ["/bin/sh", "-c", script]
-
-
-def trigger(url: str, workdir: Path, job: str, *args: str) -> int:
-    return int(pgflow(url, workdir, "trigger", job, *args).stdout.strip())
 
 
 def outcomes(conn: Conn, run_id: int) -> list[tuple[int, str | None]]:

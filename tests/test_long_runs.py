@@ -10,7 +10,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from engine import add_job, attempts, enqueue, wait_for
-from procs import ROOT, Replicas, child_env, pgflow, run_state, wait_state
+from procs import ROOT, Replicas, child_env, pgflow, run_state, sh, trigger, wait_state
 
 from pgflow import live, queue
 from pgflow.db import connect_async
@@ -28,21 +27,6 @@ from pgflow.rerun import rerun
 Conn = psycopg.Connection[dict[str, Any]]
 
 FAST_RETRY = {"max_attempts": 3, "backoff": 0.1, "max_backoff": 0.1, "jitter": False}
-
-
-@pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
-
-
-def sh(script: str) -> list[str]:
-    return ["/bin/sh", "-c", script]
-
-
-def trigger(url: str, workdir: Path, job: str, *args: str) -> int:
-    return int(pgflow(url, workdir, "trigger", job, *args).stdout.strip())
 
 
 def logs(url: str, workdir: Path, run_id: int, *args: str) -> str:

@@ -58,13 +58,6 @@ def start_bouncer(server_url: str, db_url: str) -> Iterator[Start]:
         bouncer.stop()
 
 
-@pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
-
-
 def cli(url: str, workdir: Path, env: dict[str, str], *args: str,
         check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, "-m", "pgflow", *args], cwd=ROOT,

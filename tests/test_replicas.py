@@ -8,26 +8,16 @@ has exactly one run, and every run ran once (or was retried after a crash).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 from engine import add_job, wait_for
 from procs import Replica, Replicas, db_now, wait_for_leader
 
 Conn = psycopg.Connection[dict[str, Any]]
 EVERY_SECOND = "* * * * * *"
 SECOND = timedelta(seconds=1)
-
-
-@pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
 
 
 def ticking_job(conn: Conn) -> None:

@@ -422,13 +422,6 @@ def test_serve_refuses_a_bad_retention_flag_in_one_line(db_url: str, tmp_path: P
 # ---------------------------------------------------------------- the leader
 
 
-@pytest.fixture
-def replicas(db_url: str, tmp_path: Path) -> Iterator[Replicas]:
-    started = Replicas(db_url, tmp_path)
-    yield started
-    started.close()
-
-
 def test_the_leader_prunes_by_itself(conn: Conn, replicas: Replicas) -> None:
     add_job(conn, "j", entrypoint="jobfuncs:noop")
     now = datetime.now(UTC)
