@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 from engine import WorkerThread, add_job, enqueue, wait_for
-from procs import Replicas, pgflow, scalar, wait_for_leader
+from procs import Replicas, pgflow, scalar, wait_for_leader, wait_state
 
 from pgflow import datasets, queue, registry, retention
 from pgflow.errors import InvalidInput
@@ -87,8 +87,7 @@ def test_a_succeeded_producer_triggers_its_consumer_with_the_events(
     assert list(fired.runs) == ["report"] and fired.events == 1
     [run] = dataset_runs(conn, "report")
     assert run["logical_time"] == event["created_at"]  # to the microsecond
-    wait_for(lambda: conn.execute("SELECT state FROM pgflow.runs WHERE id = %s",
-                                  (run["id"],)).fetchone()["state"] == "succeeded")  # type: ignore[index]
+    wait_state(conn, run["id"], "succeeded")
     assert json.loads(seen.read_text()) == [
         {"dataset": "orders", "id": event["id"], "key": None, "payload": event["payload"]}]
     assert consumed(conn, run["id"]) == [event["id"]]
@@ -238,8 +237,7 @@ def test_python_jobs_see_ctx_trigger_events(conn: Conn, db_url: str,
     event = datasets.emit(conn, "orders", key="k", payload={"x": [1, 2]}).event
     consume(db_url)
     [run] = dataset_runs(conn, "report")
-    wait_for(lambda: conn.execute("SELECT state FROM pgflow.runs WHERE id = %s",
-                                  (run["id"],)).fetchone()["state"] == "succeeded")  # type: ignore[index]
+    wait_state(conn, run["id"], "succeeded")
     import jobfuncs
     assert jobfuncs.TRIGGER_EVENTS[run["id"]] == [
         {"dataset": "orders", "id": event["id"], "key": "k", "payload": {"x": [1, 2]}}]
@@ -255,8 +253,7 @@ def test_a_list_just_under_the_limit_stays_in_the_environment(
         datasets.emit(conn, "orders", payload={"blob": "x" * 45_000, "n": n})
     consume(db_url)
     [run] = dataset_runs(conn, "report")
-    wait_for(lambda: conn.execute("SELECT state FROM pgflow.runs WHERE id = %s",
-                                  (run["id"],)).fetchone()["state"] == "succeeded")  # type: ignore[index]
+    wait_state(conn, run["id"], "succeeded")
     assert [e["payload"]["n"] for e in json.loads(copy.read_text())] == [0, 1]
 
 
@@ -269,8 +266,7 @@ def test_a_big_event_list_goes_to_a_file(conn: Conn, db_url: str, worker: Worker
         datasets.emit(conn, "orders", payload={"blob": "x" * 40_000, "n": n})
     consume(db_url)
     [run] = dataset_runs(conn, "report")
-    wait_for(lambda: conn.execute("SELECT state FROM pgflow.runs WHERE id = %s",
-                                  (run["id"],)).fetchone()["state"] == "succeeded")  # type: ignore[index]
+    wait_state(conn, run["id"], "succeeded")
     assert [e["payload"]["n"] for e in json.loads(copy.read_text())] == [0, 1, 2, 3]
 
 
