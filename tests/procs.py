@@ -327,12 +327,13 @@ def db_now(conn: Conn) -> datetime:
 # ---------------------------------------------------------------- CLI
 
 
-def pgflow(url: str, workdir: Path, *args: str, check: bool = True,
-           timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run the ``pgflow`` CLI against ``url``; with ``check`` a non-zero exit fails."""
+def pgflow(url: str, workdir: Path, *args: str, check: bool = True, timeout: float = 30.0,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the ``pgflow`` CLI against ``url`` (``env`` on top of the test environment);
+    with ``check`` a non-zero exit fails."""
     done = subprocess.run([sys.executable, "-m", "pgflow", *args], cwd=ROOT,
-                          env=child_env(url, workdir), capture_output=True, text=True,
-                          timeout=timeout)
+                          env={**child_env(url, workdir), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
     if check and done.returncode != 0:
         raise AssertionError(f"pgflow {' '.join(args)} exited {done.returncode}:\n"
                              f"{done.stdout}\n{done.stderr}")

@@ -23,7 +23,7 @@ import httpx
 import pytest
 from engine import free_port
 from pgbouncer import PgBouncer, server_connections
-from procs import ROOT, Conn, Replicas, child_env, scalar, until
+from procs import ROOT, Conn, Replicas, child_env, pgflow, scalar, until
 
 from pgflow.config import load_settings
 from pgflow.errors import ConfigError
@@ -60,13 +60,7 @@ def start_bouncer(server_url: str, db_url: str) -> Iterator[Start]:
 
 def cli(url: str, workdir: Path, env: dict[str, str], *args: str,
         check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "pgflow", *args], cwd=ROOT,
-                          env={**child_env(url, workdir), **env}, capture_output=True,
-                          text=True, timeout=60)
-    if check and done.returncode != 0:
-        raise AssertionError(f"pgflow {' '.join(args)} exited {done.returncode}:\n"
-                             f"{done.stdout}\n{done.stderr}")
-    return done
+    return pgflow(url, workdir, *args, check=check, timeout=60, env=env)
 
 
 def direct_sessions(conn: Conn, bouncer: PgBouncer, database: str) -> Counter[str]:
