@@ -28,7 +28,12 @@ Five loops share a replica's worker state:
 Leases, as this worker keeps them:
 - The books are keyed by (run id, attempt): ``active`` holds the attempts that
   execute, ``_unrecorded`` the ended ones whose result is not written yet; both
-  are renewed. When a claim returns a run whose older attempt still executes here
+  are renewed. A result whose finish matched no row is *disputed*, not dropped at
+  once: the server that answered may be a former primary woken from a freeze, whose
+  stale rows say the lease is gone while the real primary says it is ours. The next
+  renewal settles it: renewed, the result is recorded again; not renewed, the lease
+  was lost and the result is dropped (fencing).
+  When a claim returns a run whose older attempt still executes here
   (our lease on it was lost and the run came back to us), the old attempt is
   stopped and the new one starts only once it ended.
 - Self-fencing: each held attempt has a local deadline, the ``time.monotonic()``
@@ -115,6 +120,7 @@ class Worker:
         self.active: dict[Key, Held] = {}
         self._newest: dict[int, Held] = {}  # run id -> its newest attempt in ``active``
         self._unrecorded: set[Key] = set()  # ended, result not written yet: still renewed
+        self._disputed: dict[Key, Finish] = {}  # finish matched no row: the next renewal decides
         self._abandoned = 0  # sync jobs' threads running on after their attempt ended
         self._results: list[Finish] = []
         self._wake = asyncio.Event()
@@ -122,6 +128,7 @@ class Worker:
         self._flushing = asyncio.Lock()
         self._claim_gate = asyncio.Lock()
         self._fence_wake = asyncio.Event()
+        self._wake_heartbeat = asyncio.Event()
         self._fence_at = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -502,8 +509,8 @@ class Worker:
     def _report(self, finish: Finish, state: str | None) -> None:
         fields = {"run_id": finish.run_id, "attempt": finish.attempt, "outcome": finish.outcome}
         if state is None:
-            self.log.warning("lease lost before the result was recorded: result discarded",
-                             **fields)
+            self._disputed[(finish.run_id, finish.attempt)] = finish
+            self._wake_heartbeat.set()
         elif finish.outcome == retry.SUCCEEDED:
             self.log.debug("attempt finished", state=state, **fields)
         else:
@@ -531,12 +538,13 @@ class Worker:
         while True:
             try:
                 conn = conn or await self._connect()
+                self._wake_heartbeat.clear()
                 await self._beat(conn)
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("heartbeat", exc, conn, failures)
                 continue
-            await asyncio.sleep(self.ttl / 3)
+            await _wait(self._wake_heartbeat, self.ttl / 3)  # a disputed result: at once
 
     async def _beat(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """One renewal of exactly the attempts held now. It gives back unheld runs only
@@ -544,7 +552,7 @@ class Worker:
         not in the books yet."""
         release = await _acquire(self._claim_gate, timeout=min(1.0, self.ttl / 10))
         try:
-            held = [*self.active, *self._unrecorded]
+            held = [*self.active, *self._unrecorded, *self._disputed]
             sent = time.monotonic()
             renewal = await bounded(conn, queue.renew(conn, self.id, self.ttl, held, release),
                                     self._beat_bound_s, "heartbeat")
@@ -555,6 +563,7 @@ class Worker:
 
     def _renewed(self, sent: list[Key], renewal: queue.Renewal, deadline: float) -> None:
         ours = {(row["id"], row["attempt"]): row for row in renewal.renewed}
+        self._settle_disputes(sent, ours)
         for key in sent:
             held = self.active.get(key)
             if held is None:
@@ -570,6 +579,24 @@ class Worker:
         if renewal.released:
             self.log.warning("gave back runs claimed for this worker whose claim reply never"
                              " arrived", runs=[(r["id"], r["released"]) for r in renewal.released])
+
+    def _settle_disputes(self, sent: list[Key], ours: dict[Key, Any]) -> None:
+        """Disputed results the renewal covered: recorded again where the lease is ours
+        after all, dropped where it is not."""
+        for key in sent:
+            finish = self._disputed.pop(key, None)
+            if finish is None:
+                continue
+            fields = {"run_id": finish.run_id, "attempt": finish.attempt,
+                      "outcome": finish.outcome}
+            if key in ours:
+                self.log.warning("a finish was refused by a server that no longer holds the"
+                                 " run; the lease is still ours: recording the result again",
+                                 **fields)
+                self._record(finish)
+            else:
+                self.log.warning("lease lost before the result was recorded: result discarded",
+                                 **fields)
 
     # ------------------------------------------------------------ fence
 

@@ -331,6 +331,47 @@ def test_a_result_the_database_refuses_does_not_hold_back_the_others(conn: Conn,
     assert tails[poison].startswith("[pgflow: output cut") and tails[poison].endswith("y" * 4096)
 
 
+def test_a_finish_refused_by_a_stale_server_is_recorded_when_the_lease_is_still_ours(
+        conn: Conn, db_url: str) -> None:
+    """A former primary woken from a freeze answers a finish from rows as they were before
+    the failover: it matches nothing. The result is disputed, not dropped: the renewal,
+    answered by the real primary, says whose lease it is."""
+    from pgflow.log import get_logger
+    from pgflow.worker import Worker
+
+    add_job(conn, "j", entrypoint="jobfuncs:noop")
+    ours, lost = [enqueue(conn, "j", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
+                  for i in range(2)]
+    claimed = conn.execute(q("claim_runs"), {"worker": "w16", "limit": 10, "ttl": 60}).fetchall()
+    assert {r["id"] for r in claimed} == {ours, lost}
+    stale = "UPDATE pgflow.runs SET lease_owner = %s WHERE id = %s"
+
+    async def scenario() -> None:
+        worker = Worker(db_url, "w16", 4, 60, get_logger(test=True))
+        for row in claimed:
+            worker._record(Finish(run_id=row["id"], attempt=1, owner="w16", state="succeeded",
+                                  outcome="succeeded", started_at=row["attempt_started_at"]))
+        aconn = await worker._connect()
+        try:
+            conn.execute(stale, ("the-old-view", ours))  # what the stale server holds
+            conn.execute(stale, ("the-old-view", lost))
+            await worker._flush_once(aconn)
+            assert set(worker._disputed) == {(ours, 1), (lost, 1)}
+            conn.execute(stale, ("w16", ours))  # the real primary: still ours
+            conn.execute(stale, ("another-worker", lost))  # really lost
+            await worker._beat(aconn)
+            assert worker._disputed == {} and [f.run_id for f in worker._results] == [ours]
+            await worker._flush_once(aconn)
+        finally:
+            await aconn.close()
+
+    asyncio.run(scenario())
+    assert finished(conn, ours) and len(attempts(conn, ours)) == 1
+    assert run_row(conn, lost)["state"] == "running" and attempts(conn, lost) == []
+    conn.execute("UPDATE pgflow.runs SET state = 'cancelled', finished_at = now(),"
+                 " lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (lost,))
+
+
 def test_an_error_postgresql_cannot_store_is_still_recorded(conn: Conn,
                                                             worker: WorkerThread) -> None:
     add_job(conn, "odd", entrypoint="fencefuncs:surrogate_error")
