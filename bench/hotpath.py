@@ -209,7 +209,9 @@ def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, An
                            {"ids": live["pending_down"],
                             "finished": [r[0] for r in running if r[2] == "up"]}),
         "reap": ([], "expired_leases", {"limit": 500}),
-        "due_jobs": ([], "due_jobs", {"now": datetime.now(UTC), "batch": 2500}),
+        "due_jobs": ([], "due_jobs", {"now": datetime.now(UTC),
+                                      "horizon": datetime.now(UTC) + timedelta(seconds=2),
+                                      "batch": 2500}),
         "tick_dag": ([], "create_runs", {
             "jobs": ["up"] * 10, "times": [LIVE_TIME + timedelta(days=1, seconds=i)
                                           for i in range(10)],

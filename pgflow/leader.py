@@ -19,8 +19,11 @@ guarded by replica id *and* term: no row back means the row was taken over and
 it stops at once) before each of its passes, each pass one bounded
 transaction; a heartbeat, the backfill release and, every few seconds, the
 safety net (safety_net.py); then a sleep until the earliest ``next_fire_at``
-of an unpaused job (the ``jobs_due_idx`` index), a NOTIFY on ``pgflow_jobs``
-(definitions changed, paused, resumed) or 1 s, whichever comes first. Every
+of an unpaused job (the ``jobs_due_idx`` index; ``scheduler.AHEAD`` earlier for a
+job without downstream jobs, whose runs are created ahead of the tick), the next
+tick whose runs were created ahead (the leader then wakes the workers at that
+instant, ``release_ticks``), a NOTIFY on ``pgflow_jobs`` (definitions changed,
+paused, resumed) or 1 s, whichever comes first. Every
 scheduling transaction runs *on the lock connection*. A backlog of any size
 is many short passes, so the heartbeat never waits longer than one pass.
 The alert evaluation (pgflow/alerts) runs in that loop too, every few seconds.
@@ -85,7 +88,7 @@ from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
-from pgflow.scheduler import SchedulePass, run_once
+from pgflow.scheduler import AHEAD, SchedulePass, run_once
 
 # "pgflow" followed by 0x0001: the one advisory lock the scheduler leader holds.
 LEADER_LOCK_KEY = 0x7067666C6F770001
@@ -103,6 +106,9 @@ BUSY_NAP = 0.1
 TERMINATE_WAIT_MS = 2000
 # Chores and idle cycles stay this far from the next tick (its pass must start on time).
 TICK_GUARD_S = 0.3
+# The leader wakes this long before a release (runs created ahead become claimable);
+# the server sleeps the rest (release_ticks), so the wake-up is on its clock.
+RELEASE_LEAD_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,7 @@ class Leadership:
         self._term: int | None = None
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
         self._tick_at: float | None = None  # time.monotonic() of the next tick, as last read
+        self._releases: set[datetime] = set()  # ticks still to come whose runs exist already
         self._failures = 0
 
     @property
@@ -244,13 +251,13 @@ class Leadership:
                 # then its pass comes first, on time.
                 tick_first = self._tick_reached()
                 if tick_first:
-                    result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
+                    result = await self._schedule(conn)
                 fired = await datasets.consume(conn, before_pass=lambda: self._heartbeat(conn))
                 if fired.runs:
                     self._log.info("dataset-triggered runs", runs=len(fired.runs),
                                    events=fired.events)
                 if not tick_first:
-                    result = await run_once(conn, before_pass=lambda: self._heartbeat(conn))
+                    result = await self._schedule(conn)
                 self._report(result)
                 await self._heartbeat(conn)
                 released = await backfill.release(conn)
@@ -272,6 +279,11 @@ class Leadership:
         finally:
             self._set_follower()
 
+    async def _schedule(self, conn: AsyncConnection[Any]) -> SchedulePass:
+        result = await run_once(conn, before_pass=lambda: self._heartbeat(conn), ahead=AHEAD)
+        self._releases.update(result.releases)
+        return result
+
     async def _heartbeat(self, conn: AsyncConnection[Any]) -> None:
         params = {"replica_id": self.replica_id, "term": self._term}
         if await _fetch_value(conn, "leader_heartbeat", params) is None:
@@ -282,7 +294,21 @@ class Leadership:
     async def _wait_for_work(
         self, conn: AsyncConnection[Any], stop: asyncio.Event, result: SchedulePass
     ) -> None:
-        seconds = await _fetch_value(conn, "seconds_until_due", {})
+        """Sleep until the next pass, the next release of runs created ahead, a
+        notification or ``max_sleep``; at a release, wake the workers instead."""
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(q("seconds_until_due"), {"ahead_s": AHEAD.total_seconds(),
+                                                       "releases": sorted(self._releases)})
+            clock = await cur.fetchone()
+        assert clock is not None  # aggregates only: one row
+        self._releases = {t for t in self._releases if t > clock["now"]}
+        seconds, release = clock["due"], clock["release"]
+        if release is not None:
+            if release <= RELEASE_LEAD_S:
+                await self._release(conn)
+                return
+            seconds = release - RELEASE_LEAD_S if seconds is None else min(
+                seconds, release - RELEASE_LEAD_S)
         self._tick_at = None if seconds is None else time.monotonic() + seconds
         if seconds is None:
             timeout = self.max_sleep
@@ -295,6 +321,13 @@ class Leadership:
             timeout = BUSY_NAP if result.jobs_due == 0 else 0.0
         if timeout > 0:
             await _notified_or_stopped(conn, stop, timeout)
+
+    async def _release(self, conn: AsyncConnection[Any]) -> None:
+        """The earliest tick whose runs were created ahead has come (on the server's
+        clock, which release_ticks waits for): the workers are woken to claim them."""
+        tick = min(self._releases)
+        self._releases.discard(tick)
+        await conn.execute(q("release_ticks"), {"at": tick})
 
     def _tick_reached(self) -> bool:
         """The next tick, as last read, has come (the leader slept until it)."""

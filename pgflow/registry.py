@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 
-from pgflow import backfill, dag, datasets, deps
+from pgflow import backfill, dag, datasets, deps, scheduler
 from pgflow import policies as _policies
 from pgflow.cron import parse_cron
 from pgflow.errors import Conflict, NotFound, PgflowError
@@ -260,14 +260,28 @@ def apply(
         if changed or removed:
             # Old edges go first: a changed job may have depended on a removed one.
             conn.execute(q("delete_deps"), {"jobs": sorted(removed | {c.name for c in changed})})
+            scheduler.withdraw_ahead(conn, sorted(removed))
             gone = conn.execute(q("delete_jobs"), {"names": sorted(removed)}).fetchall()
             _write(conn, changed, existing, now)
+            _withdraw_changed(conn, changed, existing)
             datasets.drop_stale(conn, [spec.name for spec in changed])
             settled = _resettle(conn, _rewired(changed, existing))
             backfill.complete(conn, settled.backfills.union(*(g["backfills"] for g in gone)))
             conn.execute(q("notify_jobs_changed"))
         result.policies = _policies.write(conn, policies, prune=prune)  # tenants, sources, flags
     return result
+
+
+def _withdraw_changed(conn: psycopg.Connection[Any], specs: Sequence[JobSpec],
+                      existing: dict[str, dict[str, Any]]) -> None:
+    """Runs created ahead for a job this registration changes, or makes a DAG root (an
+    upstream of a changed job), are withdrawn (scheduler.py): the tick is created again
+    as the job now stands. A job whose schedule changed has its new fire time already."""
+    names = {spec.name for spec in specs} | {u for spec in specs for u in spec.depends_on}
+    moved = {spec.name for spec in specs if spec.name in existing
+             and (existing[spec.name]["schedule"], existing[spec.name]["timezone"])
+             != (spec.schedule, spec.timezone)}
+    scheduler.withdraw_ahead(conn, sorted(names), rewind=sorted(names - moved))
 
 
 def _rewired(specs: Sequence[JobSpec], existing: dict[str, dict[str, Any]]) -> list[str]:
@@ -349,6 +363,7 @@ def delete(conn: psycopg.Connection[Any], name: str) -> None:
                 " delete them or remove it from their depends_on first"
             )
         conn.execute(q("delete_deps"), {"jobs": [name]})
+        scheduler.withdraw_ahead(conn, [name])
         gone = conn.execute(q("delete_jobs"), {"names": [name]}).fetchall()
         if not gone:
             raise NotFound(f"no job named {name!r} (see 'pgflow jobs list')")
@@ -364,4 +379,6 @@ def set_paused(conn: psycopg.Connection[Any], name: str, paused: bool) -> None:
     with conn.transaction():
         if conn.execute(q("set_paused"), {"name": name, "paused": paused}).fetchone() is None:
             raise NotFound(unknown_job_message(conn, name))
+        if paused:  # a tick created ahead has not come yet: it waits for the resume
+            scheduler.withdraw_ahead(conn, [name], rewind=[name])
         conn.execute(q("notify_jobs_changed"))

@@ -2,17 +2,27 @@
 
 Every root job (one with a schedule) persists the instant of its next tick in
 ``pgflow.jobs.next_fire_at``. A scheduling pass locks the due jobs, decides in
-Python which logical times to create (``plan_fires``, pure), then creates all
-their runs with one ``create_runs`` and commits; then it advances all their fire
-times with one UPDATE, guarded by the fire times it planned from (a job registered
-again meanwhile keeps its new time). ``UNIQUE (job, logical_time)`` makes a tick
-fire once whatever happens between the two: a crash before the first commit leaves
-everything untouched, a crash before the second leaves the tick due, and the next
-pass then creates nothing for it (a repeated insert is a no-op) and advances it.
-The runs are visible before the fire times move, which in a tick of 10,000 jobs is
-about 0.1 s sooner (the UPDATE rewrites every job row and its seven index entries).
-Because the fire time is persisted, ticks missed while no
-scheduler ran are seen on restart and handled by the job's ``catchup`` policy.
+Python which logical times to create (``plan_fires``, pure), creates all their
+runs with one ``create_plain_runs`` (or ``create_runs`` for DAG roots), advances
+their fire times with one UPDATE and commits: the runs and the fire times move
+together, so a tick fires once whatever happens (``UNIQUE (job, logical_time)``
+makes a repeated insert a no-op besides). Because the fire time is persisted, ticks
+missed while no scheduler ran are seen on restart and handled by the job's
+``catchup`` policy.
+
+Ahead of the tick. With ``ahead`` (the leader passes ``AHEAD``), a job without
+downstream jobs has the runs of its ticks within ``ahead`` of now created early,
+``queued`` with ``available_at`` at the tick: no claim takes them before it, and at
+the tick the leader wakes the workers (``release_ticks``: the server sleeps until
+its clock reaches the tick, then NOTIFYs). A tick of 10,000 jobs therefore costs
+its creation before the tick, not after it, and scheduling does not compete with
+execution for the CPU at that moment (issue 16). Should the leader die in between,
+the workers' poll (``worker.POLL_S``) finds the runs a little later; nothing is lost.
+A run created ahead is *withdrawn* (deleted, its job's fire time moved back to its
+tick) by whatever would have changed it had it not existed yet: a pause, a
+registration that changes the job or makes it a DAG root, a delete
+(``withdraw_ahead_runs``). DAG roots are not created ahead: withdrawing a DAG run
+whose downstream runs other roots share is not worth the early start.
 
 Time is the database's: ``now()`` of the pass's transaction, or a pinned
 ``now`` in tests.
@@ -34,7 +44,7 @@ from functools import lru_cache
 from itertools import islice
 from typing import Any
 
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, Connection
 from psycopg.rows import dict_row
 
 from pgflow import deps
@@ -62,6 +72,11 @@ MAX_RUNS_PER_PASS = 10_000
 # right away if work is left, heartbeating between passes.
 MAX_PASSES = 50
 
+# How far ahead the leader creates the runs of jobs without downstream jobs: enough
+# for a tick of 10,000 jobs (about 0.3-0.5 s of a loaded 2-core machine) to be in place
+# before it comes.
+AHEAD = timedelta(seconds=2)
+
 _ONE_MICROSECOND = timedelta(microseconds=1)
 
 
@@ -69,6 +84,22 @@ _ONE_MICROSECOND = timedelta(microseconds=1)
 def schedule_for(expr: str, timezone: str) -> CronSchedule:
     """The parsed schedule; thousands of jobs usually share a handful of them."""
     return parse_cron(expr, timezone)
+
+
+def withdraw_ahead(conn: Connection[Any], names: Sequence[str],
+                   rewind: Sequence[str] = ()) -> int:
+    """Withdraw the runs of ``names`` created ahead of their tick (the module's note);
+    the jobs in ``rewind`` get that tick back as their fire time. Call it inside the
+    transaction that changes the jobs, after the statements that update their rows.
+    Returns how many runs were withdrawn."""
+    if not names:
+        return 0
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(q("lock_jobs_for_withdrawal"), {"names": list(names)})
+        cur.execute(q("withdraw_ahead_runs"), {"names": list(names), "rewind": list(rewind)})
+        row = cur.fetchone()
+    assert row is not None  # an aggregate returns one row
+    return int(row["withdrawn"])
 
 
 def plan_fires(
@@ -139,6 +170,8 @@ class SchedulePass:
     # The database time the first pass that found due jobs planned for (logged: a pass
     # logged late, by a process frozen right after it, says when it really ran).
     as_of: datetime | None = None
+    # Ticks still to come whose runs were created ahead: at each, the workers are woken.
+    releases: list[datetime] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +181,7 @@ class _Plan:
     # Ticks of jobs with downstream jobs: they create whole DAG runs (a slower statement).
     dag_jobs: list[str] = field(default_factory=list)
     dag_times: list[datetime] = field(default_factory=list)
+    ahead: set[datetime] = field(default_factory=set)  # ticks still to come among run_times
     names: list[str] = field(default_factory=list)
     planned_from: list[datetime] = field(default_factory=list)  # their fire times as read
     next_times: list[datetime | None] = field(default_factory=list)
@@ -158,13 +192,39 @@ class _Plan:
     still_due: bool = False
 
 
+def ahead_fires(schedule: str, timezone: str, next_fire_at: datetime, horizon: datetime,
+                max_ticks: int = MAX_TICKS_PER_PASS) -> tuple[list[datetime], datetime]:
+    """The ticks from ``next_fire_at`` through ``horizon`` (at most ``max_ticks``), to be
+    created ahead, and the fire time after them."""
+    if next_fire_at > horizon:
+        return [], next_fire_at
+    cron = schedule_for(schedule, timezone)
+    fires = list(islice(_ticks_through(cron, next_fire_at, horizon), max_ticks))
+    return fires, cron.next_after(fires[-1]) if fires else next_fire_at
+
+
+def _plan_job(row: dict[str, Any], now: datetime, horizon: datetime,
+              cap: int) -> tuple[list[datetime], datetime]:
+    """The ticks of one due job (``plan_fires``), then, for a job without downstream
+    jobs that is not behind, those up to ``horizon``, created ahead."""
+    fires, next_fire_at = plan_fires(row["schedule"], row["timezone"], row["next_fire_at"],
+                                     row["catchup"], now, cap)
+    if row["in_dag"] or horizon <= now or next_fire_at <= now:
+        return fires, next_fire_at
+    early, next_fire_at = ahead_fires(row["schedule"], row["timezone"], next_fire_at, horizon,
+                                      max(0, cap - len(fires)))
+    return fires + early, next_fire_at
+
+
 def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime,
-                budget: int = MAX_RUNS_PER_PASS) -> _Plan:
+                budget: int = MAX_RUNS_PER_PASS, horizon: datetime | None = None) -> _Plan:
     """Plan a batch of due job rows, creating about ``budget`` runs at most (a tick of a
     job weighs the runs of the DAG run it starts); identical schedules are planned once.
-    Jobs past the budget are left out: they stay due, untouched, for the next pass."""
+    Jobs past the budget are left out: they stay due, untouched, for the next pass.
+    Ticks of jobs without downstream jobs up to ``horizon`` are planned too (ahead)."""
     plan = _Plan()
-    memo: dict[tuple[str, str, datetime, str, int], tuple[list[datetime], datetime]] = {}
+    horizon = now if horizon is None else horizon
+    memo: dict[tuple[str, str, datetime, str, int, bool], tuple[list[datetime], datetime]] = {}
     for row in rows:
         if budget <= 0:
             plan.left_out = True
@@ -174,10 +234,11 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime,
         # fire few ticks and move past now, so they always get their full share.
         cap = (max(1, min(MAX_TICKS_PER_PASS, budget // weight)) if row["catchup"] == "all"
                else MAX_TICKS_PER_PASS)
-        key = (row["schedule"], row["timezone"], row["next_fire_at"], row["catchup"], cap)
+        key = (row["schedule"], row["timezone"], row["next_fire_at"], row["catchup"], cap,
+               row["in_dag"])
         try:
             if key not in memo:
-                memo[key] = plan_fires(*key[:4], now, cap)
+                memo[key] = _plan_job(row, now, horizon, cap)
             fires, next_fire_at = memo[key]
         except (CronError, ValueError):
             plan.broken.append(row["name"])
@@ -196,6 +257,7 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime,
         else:
             plan.run_jobs += [row["name"]] * len(fires)
             plan.run_times += fires
+            plan.ahead.update(fire for fire in fires if fire > now)
         plan.fired += bool(fires)
     return plan
 
@@ -203,9 +265,11 @@ def _plan_batch(rows: Sequence[dict[str, Any]], now: datetime,
 async def run_once(
     conn: AsyncConnection[Any], now: datetime | None = None, batch: int = MAX_RUNS_PER_PASS, *,
     before_pass: Callable[[], Awaitable[None]] | None = None,
+    ahead: timedelta = timedelta(0),
 ) -> SchedulePass:
     """Create the runs of every due tick, ``batch`` jobs and about ``MAX_RUNS_PER_PASS``
-    runs per transaction.
+    runs per transaction, and with ``ahead`` those of jobs without downstream jobs whose
+    ticks come within it (claimable at their tick).
 
     Passes repeat while work remains (up to ``MAX_PASSES``), so a burst of 10,000 jobs
     due at the same instant is handled within one call; ``before_pass`` is awaited
@@ -213,32 +277,36 @@ async def run_once(
     clock (tests); by default each pass uses the database's ``now()``.
     """
     result = SchedulePass()
+    releases: set[datetime] = set()
     while result.passes < MAX_PASSES:
         if before_pass is not None:
             await before_pass()
-        result.more = await _one_pass(conn, now, batch, result)
+        result.more = await _one_pass(conn, now, batch, ahead, result, releases)
         result.passes += 1
         if not result.more:
             break
+    result.releases = sorted(releases)
     return result
 
 
 async def _one_pass(
-    conn: AsyncConnection[Any], now: datetime | None, batch: int, result: SchedulePass
+    conn: AsyncConnection[Any], now: datetime | None, batch: int, ahead: timedelta,
+    result: SchedulePass, releases: set[datetime],
 ) -> bool:
-    """One transaction that creates runs, then the advance of the fire times; returns
-    whether due work remains."""
+    """One transaction that creates runs and advances the fire times; returns whether
+    due work remains."""
     async with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
         await cur.execute(q("scheduler_now"), {"now": now})
         clock = await cur.fetchone()
         assert clock is not None  # a SELECT without FROM returns one row
         pass_now: datetime = clock["now"]
         result.as_of = result.as_of or pass_now
-        await cur.execute(q("due_jobs"), {"now": pass_now, "batch": batch})
+        await cur.execute(q("due_jobs"), {"now": pass_now, "horizon": pass_now + ahead,
+                                          "batch": batch})
         rows = await cur.fetchall()
         if not rows:
             return False
-        plan = _plan_batch(rows, pass_now)
+        plan = _plan_batch(rows, pass_now, horizon=pass_now + ahead)
         created = 0
         if plan.run_jobs:
             # Arrays as their text (pgflow.db.array_literal): psycopg's dumping of
@@ -259,10 +327,10 @@ async def _one_pass(
             # --no-downstream, another root's backfill) go ahead in this transaction.
             await deps.settle_async(conn, [r["id"] for r in dag_runs if r["state"] == "pending"],
                                     fresh=[r["id"] for r in dag_runs])
-    if plan.names:
-        await conn.execute(q("advance_jobs"), {
+        await cur.execute(q("advance_jobs"), {
             "names": array_literal(plan.names), "planned": array_literal(plan.planned_from),
             "times": array_literal(plan.next_times)})
+    releases.update(plan.ahead)
     result.jobs_due += len(plan.names)
     result.jobs_fired += plan.fired
     result.runs_created += created

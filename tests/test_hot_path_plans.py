@@ -198,7 +198,13 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "fail downstreams": ("fail_downstreams", {"ids": [ups[0]["id"]]},
                              {"runs_job_logical_time_key", "runs_state_idx"}),
         "reap": ("expired_leases", {"limit": 500}, RUNNING_RANGE),
-        "due jobs": ("due_jobs", {"now": datetime.now(UTC), "batch": 2500}, set()),
+        "due jobs": ("due_jobs", {"now": datetime.now(UTC),
+                                  "horizon": datetime.now(UTC) + timedelta(seconds=2),
+                                  "batch": 2500}, set()),
+        # A pause or a registration withdraws runs created ahead: the job's few
+        # unfinished keys, never its history.
+        "withdraw ahead": ("withdraw_ahead_runs", {"names": ["noop", "up"], "rewind": ["noop"]},
+                           {"runs_job_logical_time_key"}),
         "dag tick": ("create_runs", {
             "jobs": ["up"] * 5, "times": [tomorrow + timedelta(seconds=i) for i in range(5)],
             "trigger": "schedule", "params": None, "downstream": True, "state": "queued",

@@ -9,7 +9,7 @@ import pytest
 from drive import check_nothing_stuck
 from psycopg import AsyncConnection
 
-from pgflow import registry
+from pgflow import queue, registry
 from pgflow.queries import q
 from pgflow.scheduler import (
     MAX_RUNS_PER_PASS,
@@ -271,7 +271,8 @@ def test_the_due_jobs_query_uses_jobs_due_idx(conn: Conn) -> None:
                  " + make_interval(secs => substr(name, 5)::int)", (NOW,))
     conn.execute("ANALYZE pgflow.jobs")
     plan = conn.execute("EXPLAIN (FORMAT JSON) " + q("due_jobs"),
-                        {"now": NOW + timedelta(seconds=30), "batch": 1000}).fetchone()
+                        {"now": NOW + timedelta(seconds=30), "horizon": NOW + timedelta(seconds=32),
+                         "batch": 1000}).fetchone()
     assert plan is not None
     assert "jobs_due_idx" in str(plan)
 
@@ -327,3 +328,135 @@ def test_a_backlog_is_created_in_bounded_transactions(conn: Conn, db_url: str) -
     assert per_transaction is not None and per_transaction["biggest"] <= MAX_RUNS_PER_PASS
     created = runs(conn)
     assert len(created) == len(set(created)) == 9000
+
+
+# ---------------------------------------------------------------- runs created ahead
+
+AHEAD = timedelta(seconds=2)
+
+
+def test_ticks_within_the_horizon_are_planned_ahead_for_lone_jobs_only() -> None:
+    lone = due_row("lone", catchup="none", since=timedelta(0))
+    lone["schedule"] = "* * * * * *"
+    root = {**lone, "name": "root", "in_dag": True, "dag_runs": 2}
+    plan = _plan_batch([lone, root], NOW, horizon=NOW + AHEAD)
+    assert plan.run_times == [NOW + timedelta(seconds=s) for s in (0, 1, 2)]
+    assert plan.dag_times == [NOW]  # a DAG root fires at its tick only
+    assert plan.ahead == {NOW + timedelta(seconds=1), NOW + timedelta(seconds=2)}
+    assert plan.next_times == [NOW + timedelta(seconds=3), NOW + timedelta(seconds=1)]
+    late = {**lone, "next_fire_at": NOW + timedelta(seconds=1)}  # not due: ahead only
+    assert _plan_batch([late], NOW, horizon=NOW + AHEAD).run_times == [
+        NOW + timedelta(seconds=1), NOW + timedelta(seconds=2)]
+    behind = due_row("behind", catchup="all", since=timedelta(hours=30))  # a backlog
+    assert all(t <= NOW for t in _plan_batch([behind], NOW, horizon=NOW + AHEAD).run_times)
+
+
+def future_tick(conn: Conn) -> datetime:
+    """An hourly tick an hour or two from the database's now (a run created ahead for
+    it is not claimable during the test)."""
+    row = conn.execute("SELECT date_trunc('hour', now()) + interval '2 hours' AS t").fetchone()
+    assert row is not None
+    return row["t"]  # type: ignore[no-any-return]
+
+
+def schedule_ahead(url: str, tick: datetime) -> SchedulePass:
+    """The leader's pass a second before ``tick``, with the leader's horizon."""
+    async def scenario() -> SchedulePass:
+        async with await AsyncConnection.connect(url, autocommit=True) as aconn:
+            return await run_once(aconn, tick - timedelta(seconds=1), ahead=AHEAD)
+    return asyncio.run(scenario())
+
+
+def ahead_runs(conn: Conn) -> list[dict[str, Any]]:
+    return conn.execute("SELECT job, logical_time, state, available_at, priority"
+                        " FROM pgflow.runs ORDER BY job").fetchall()
+
+
+def test_a_run_created_ahead_is_claimable_only_from_its_tick(conn: Conn, db_url: str) -> None:
+    tick = future_tick(conn)
+    add_jobs(conn, [spec("lone", schedule="0 * * * *"), spec("root", schedule="0 * * * *"),
+                    spec("child", depends_on=["root"])], tick)
+    result = schedule_ahead(db_url, tick)
+    assert (result.runs_created, result.releases) == (1, [tick])
+    assert ahead_runs(conn) == [{"job": "lone", "logical_time": tick, "state": "queued",
+                                 "available_at": tick, "priority": 0}]
+    assert fire_times(conn)["lone"] == tick + timedelta(hours=1)
+    assert fire_times(conn)["root"] == tick  # a DAG root waits for its tick
+    assert claim_now(db_url) == []
+
+
+def claim_now(url: str) -> list[dict[str, Any]]:
+    async def scenario() -> list[dict[str, Any]]:
+        async with await AsyncConnection.connect(url, autocommit=True) as aconn:
+            return await queue.claim(aconn, "w1", 10, 30.0)
+    return asyncio.run(scenario())
+
+
+def test_the_leader_wakes_the_workers_when_a_tick_created_ahead_comes(
+        conn: Conn, db_url: str) -> None:
+    registry.apply(conn, [spec("every_second", schedule="* * * * * *", catchup="none")])
+
+    async def scenario() -> tuple[float, list[str]]:
+        async with await AsyncConnection.connect(db_url, autocommit=True) as aconn, \
+                await AsyncConnection.connect(db_url, autocommit=True) as listener:
+            result = await run_once(aconn, ahead=AHEAD)
+            assert result.releases, "a per-second job has ticks within the horizon"
+            await listener.execute("LISTEN pgflow_queue")
+            await aconn.execute(q("release_ticks"), {"at": result.releases[0]})
+            woke = [n.channel async for n in listener.notifies(timeout=1, stop_after=1)]
+            cur = await aconn.execute("SELECT extract(epoch FROM clock_timestamp() - %s)"
+                                      "::float8", (result.releases[0],))
+            row = await cur.fetchone()
+            assert row is not None
+            return row[0], woke
+
+    after_tick_s, woke = asyncio.run(scenario())
+    assert woke == ["pgflow_queue"] and after_tick_s >= 0  # never before the tick
+
+
+def test_a_pause_withdraws_the_run_created_ahead_and_a_resume_creates_it_again(
+        conn: Conn, db_url: str) -> None:
+    tick = future_tick(conn)
+    add_jobs(conn, [spec("lone", schedule="0 * * * *")], tick)
+    schedule_ahead(db_url, tick)
+    registry.set_paused(conn, "lone", True)
+    assert ahead_runs(conn) == [] and fire_times(conn)["lone"] == tick
+    assert schedule_ahead(db_url, tick).runs_created == 0  # paused
+    registry.set_paused(conn, "lone", False)
+    assert schedule_ahead(db_url, tick).runs_created == 1
+    assert [r["logical_time"] for r in ahead_runs(conn)] == [tick]
+
+
+def test_a_registration_withdraws_the_runs_created_ahead_of_the_jobs_it_changes(
+        conn: Conn, db_url: str) -> None:
+    tick = future_tick(conn)
+    add_jobs(conn, [spec(n, schedule="0 * * * *") for n in ("same", "faster", "moved", "root")],
+             tick)
+    assert schedule_ahead(db_url, tick).runs_created == 4
+    registry.apply(conn, [spec("same", schedule="0 * * * *"),  # unchanged: kept
+                          spec("faster", schedule="0 * * * *", priority=5),
+                          spec("moved", schedule="30 * * * *"),
+                          spec("root", schedule="0 * * * *"),
+                          spec("child", depends_on=["root"])])  # root becomes a DAG root
+    assert [r["job"] for r in ahead_runs(conn)] == ["same"]
+    times = fire_times(conn)
+    assert times["faster"] == times["root"] == tick  # the tick comes back, as they now are
+    assert times["moved"] is not None and times["moved"].minute == 30
+    schedule_ahead(db_url, tick)
+    at_tick = [(r["job"], r["priority"]) for r in ahead_runs(conn) if r["logical_time"] == tick]
+    assert at_tick == [("faster", 5), ("same", 0)]  # root's tick: a DAG run, at the tick
+    registry.delete(conn, "same")
+    assert "same" not in {r["job"] for r in ahead_runs(conn)}  # withdrawn, not cancelled
+
+
+def test_a_run_claimed_at_its_tick_is_not_withdrawn(conn: Conn, db_url: str) -> None:
+    tick = future_tick(conn)
+    add_jobs(conn, [spec("lone", schedule="0 * * * *")], tick)
+    schedule_ahead(db_url, tick)
+    conn.execute("UPDATE pgflow.runs SET available_at = now()")  # as if its tick had come
+    [claimed] = claim_now(db_url)
+    registry.set_paused(conn, "lone", True)
+    assert [r["state"] for r in ahead_runs(conn)] == ["running"]
+    assert fire_times(conn)["lone"] == tick + timedelta(hours=1)
+    conn.execute("UPDATE pgflow.runs SET state = 'succeeded', finished_at = now(),"
+                 " lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (claimed["id"],))

@@ -69,10 +69,13 @@ FROM inserted
 -- create_plain_runs and create_plain_run, up to the source of (job, logical_time) pairs i.
 WITH inserted AS (
     INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,
-                             priority, params, capped, held)
+                             priority, params, capped, held, available_at)
     SELECT j.name, coalesce(i.logical_time, date_trunc('second', now())), 'queued',
            j.max_attempts, %(trigger)s, j.tenant, j.priority,
-           j.params || coalesce(%(params)s::jsonb, '{}'), j.capped, j.held
+           j.params || coalesce(%(params)s::jsonb, '{}'), j.capped, j.held,
+           -- a tick created ahead (pgflow/scheduler.py) is claimable from its time on
+           CASE WHEN %(trigger)s = 'schedule' THEN greatest(now(), i.logical_time)
+                ELSE now() END
 
 -- fragment: plain_runs_rest
 -- create_plain_runs and create_plain_run, after the source of the pairs.

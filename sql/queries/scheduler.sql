@@ -7,8 +7,10 @@
 SELECT coalesce(%(now)s::timestamptz, now()) AS now
 
 -- name: due_jobs
--- Root jobs whose next tick has come, oldest first. Locked for the pass: a second
--- scheduler skips them instead of planning the same ticks. Served by jobs_due_idx.
+-- Root jobs whose next tick has come, oldest first, and jobs without downstream jobs
+-- whose next tick comes by %(horizon)s (created ahead: claimable from their tick on).
+-- Locked for the pass: a second scheduler skips them instead of planning the same
+-- ticks. Served by jobs_due_idx.
 -- in_dag: the job has downstream jobs, so its tick starts a whole DAG run of dag_runs
 -- runs (the job and everything downstream of it), which weighs on the pass's budget.
 SELECT name, schedule, timezone, catchup, next_fire_at, in_dag,
@@ -22,28 +24,90 @@ SELECT name, schedule, timezone, catchup, next_fire_at, in_dag,
 FROM pgflow.jobs j,
      LATERAL (SELECT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
               AS in_dag) x
-WHERE NOT paused AND next_fire_at IS NOT NULL AND next_fire_at <= %(now)s::timestamptz
+WHERE NOT paused AND next_fire_at IS NOT NULL
+  AND next_fire_at <= %(horizon)s::timestamptz
+  AND (next_fire_at <= %(now)s::timestamptz OR NOT in_dag)
 ORDER BY next_fire_at
 LIMIT %(batch)s
 FOR UPDATE SKIP LOCKED
 
 -- name: advance_jobs
--- New fire times in bulk, just after the pass committed the runs of the ticks; NULL
+-- New fire times in bulk, in the transaction that created the runs of the ticks; NULL
 -- stops a job whose schedule can no longer be evaluated (registering it again
 -- recomputes the time). Only a job whose fire time is still the one the pass planned
--- from moves: one registered again since then keeps its new time.
+-- from moves (the pass holds the rows locked; the guard keeps a hand-run pass, which
+-- may not, from moving a time someone else set).
 UPDATE pgflow.jobs j
 SET next_fire_at = a.next_fire_at
 FROM unnest(%(names)s::text[], %(planned)s::timestamptz[], %(times)s::timestamptz[])
     AS a(name, planned, next_fire_at)
 WHERE j.name = a.name AND j.next_fire_at IS NOT DISTINCT FROM a.planned
 
+-- name: lock_jobs_for_withdrawal
+-- Before withdraw_ahead_runs, as a statement of its own: wait for a scheduling pass
+-- that holds any of these jobs, so that the withdrawal (a later snapshot) sees the runs
+-- it created ahead and the fire times it moved.
+SELECT count(*) AS locked FROM (
+    SELECT name FROM pgflow.jobs WHERE name = ANY(%(names)s::text[]) ORDER BY name FOR UPDATE
+) j
+
+-- name: withdraw_ahead_runs
+-- Runs of jobs %(names)s created ahead of a tick still to come (queued, never started,
+-- available_at in the future) are deleted, as if the pass had not created them yet;
+-- for the jobs in %(rewind)s the fire time moves back to the earliest withdrawn tick, so
+-- the next pass creates it again as the job now stands (the others are getting a new
+-- fire time from their caller). A claim that won the race took its run: no longer
+-- queued, it stays.
+WITH gone AS (
+    DELETE FROM pgflow.runs r
+    WHERE r.job = ANY(%(names)s::text[]) AND r.state = 'queued' AND r.trigger = 'schedule'
+      AND r.attempt = 0 AND r.started_at IS NULL AND r.available_at > now()
+      AND r.logical_time > now()  -- implied (available_at is the tick): keys the index
+    RETURNING r.job, r.logical_time
+), rewound AS (
+    UPDATE pgflow.jobs j SET next_fire_at = least(j.next_fire_at, g.first)
+    FROM (SELECT job, min(logical_time) AS first FROM gone GROUP BY job) g
+    WHERE j.name = g.job AND j.name = ANY(%(rewind)s::text[])
+    RETURNING j.name
+)
+SELECT (SELECT count(*) FROM gone) AS withdrawn, (SELECT count(*) FROM rewound) AS rewound
+
 -- name: seconds_until_due
--- How long the leader may sleep: until the earliest unpaused fire time (negative when
--- something is already due), NULL when nothing is scheduled.
-SELECT extract(epoch FROM min(next_fire_at) - clock_timestamp())::float8 AS seconds
-FROM pgflow.jobs
-WHERE NOT paused AND next_fire_at IS NOT NULL
+-- How long the leader may sleep (negative: something is due already; NULL: nothing is
+-- scheduled) until
+--   due:     the next pass: the earliest unpaused fire time, %(ahead_s)s seconds
+--            earlier for a job without downstream jobs (its run is created ahead);
+--   release: the earliest tick in %(releases)s still to come (runs created ahead that
+--            become claimable then: the leader wakes the workers at that instant).
+-- Only the 100 earliest fire times are looked at, one probe of job_deps each: past
+-- them, any job's pass is no earlier than the 100th fire time minus %(ahead_s)s, which
+-- bounds the answer when there are more.
+WITH first AS (
+    SELECT j.next_fire_at,
+           EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name) AS in_dag
+    FROM pgflow.jobs j
+    WHERE NOT paused AND next_fire_at IS NOT NULL
+    ORDER BY next_fire_at
+    LIMIT 100
+), due AS (
+    SELECT least(min(CASE WHEN in_dag THEN next_fire_at
+                          ELSE next_fire_at - make_interval(secs => %(ahead_s)s) END),
+                 CASE WHEN count(*) = 100
+                      THEN max(next_fire_at) - make_interval(secs => %(ahead_s)s) END) AS at
+    FROM first
+)
+SELECT clock_timestamp() AS now,
+       extract(epoch FROM (SELECT at FROM due) - clock_timestamp())::float8 AS due,
+       extract(epoch FROM (SELECT min(t) FROM unnest(%(releases)s::timestamptz[]) AS t
+                           WHERE t > clock_timestamp()) - clock_timestamp())::float8
+           AS release
+
+-- name: release_ticks
+-- Wake the workers at the instant %(at)s (runs created ahead become claimable then):
+-- the server sleeps until its own clock reaches it, so a claim that the NOTIFY sets off
+-- never starts before the tick.
+SELECT pg_sleep(greatest(0, extract(epoch FROM %(at)s::timestamptz - clock_timestamp()))),
+       pg_notify('pgflow_queue', '')
 
 -- name: try_leader_lock
 SELECT pg_try_advisory_lock(%(key)s) AS won
