@@ -245,6 +245,11 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             {"runs_job_logical_time_key"}),
         "web: pipeline times": ("dag_history_times", {"job": "up", "times": 25},
                                 {"runs_job_logical_time_key"}),
+        # A Prometheus scrape: the last interval's starts and finishes, not the history.
+        "metrics scrape": ("metrics_scrape", {
+            "since": datetime.now(UTC) - timedelta(seconds=15), "settle": 2.0, "alive_s": 90.0,
+            "neg_bounds": [-60.0, -1.0], "neg_lag_bounds": [-60.0, -1.0]},
+            {"runs_schedule_started_idx"}),
         "retention status": ("retention_status", {"retention_s": 7 * 86400.0, "now": None,
                                                   "cap": 100_000}, {"runs_finished_idx"}),
     }

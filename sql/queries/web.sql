@@ -205,9 +205,17 @@ SELECT (SELECT upper FROM bounds) AS upper,
                                   ::float8, %(neg_lag_bounds)s::float8[]) AS bucket,
                      sum(greatest(extract(epoch FROM started_at - logical_time), 0))::float8
                          AS seconds
-              FROM pgflow.runs, bounds
-              WHERE trigger = 'schedule' AND started_at IS NOT NULL
-                AND started_at >= %(since)s AND started_at < bounds.upper
+              FROM (
+                  -- started since the last scrape: still unfinished (runs_schedule_started_idx)
+                  -- or finished since, which they must have been (runs_finished_idx)
+                  SELECT started_at, logical_time FROM pgflow.runs
+                  WHERE trigger = 'schedule' AND started_at IS NOT NULL AND finished_at IS NULL
+                    AND started_at >= %(since)s
+                  UNION ALL
+                  SELECT started_at, logical_time FROM pgflow.runs
+                  WHERE finished_at >= %(since)s AND trigger = 'schedule'
+                    AND started_at >= %(since)s) r, bounds
+              WHERE r.started_at < bounds.upper
               GROUP BY bucket) s) AS lags
 
 -- name: web_tenant_names

@@ -98,6 +98,24 @@ def test_counters_count_each_event_once(conn: Conn) -> None:
             value(second, key[0], pgflow_job="a", tenant="default", outcome=key[1])
 
 
+def test_the_schedule_lag_counts_a_run_once_whether_it_finished_yet_or_not(conn: Conn) -> None:
+    add_job(conn, "a", entrypoint="jobfuncs:noop")
+    metrics = metrics_for(conn)
+    scrape(metrics)
+    run_id = enqueue(conn, "a", T0)
+    conn.execute("UPDATE pgflow.runs SET trigger = 'schedule', state = 'running', attempt = 1,"
+                 " started_at = now(), attempt_started_at = now(), lease_owner = 'w',"
+                 " lease_expires_at = now() + interval '1 min',"
+                 " logical_time = now() - interval '1 second' WHERE id = %s", (run_id,))
+    running = scrape(metrics)  # started since the last scrape, not finished: counted
+    assert value(running, "pgflow_schedule_lag_seconds_count") == 1.0
+    assert value(running, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
+    conn.execute("UPDATE pgflow.runs SET state = 'succeeded', finished_at = now(),"
+                 " lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL"
+                 " WHERE id = %s", (run_id,))
+    assert value(scrape(metrics), "pgflow_schedule_lag_seconds_count") == 1.0  # not again
+
+
 def test_a_database_outage_keeps_counters_and_says_so(conn: Conn, db_url: str) -> None:
     add_job(conn, "a", entrypoint="jobfuncs:noop")
     broken = psycopg.connect(db_url, autocommit=True, row_factory=dict_row)
