@@ -366,6 +366,8 @@ WITH result AS (
     JOIN pgflow.jobs j ON j.name = f.job AND j.produces <> '{}'
     CROSS JOIN LATERAL unnest(j.produces) AS p(dataset)
     WHERE f.state = 'succeeded'
+      -- evaluated once: without any producing job, no probe of jobs per finished run
+      AND (SELECT EXISTS (SELECT 1 FROM pgflow.jobs WHERE produces <> '{}'))
     RETURNING id, dataset
 ),
 -- include: deliver_events
@@ -383,8 +385,9 @@ SELECT id, state, backfill_id, (SELECT array_agg(id) FROM candidates) AS candida
        (SELECT count(*) FROM (SELECT pg_notify('pgflow_datasets', '')
                               FROM (SELECT 1 FROM delivered LIMIT 1) d) n) AS delivered,
        -- whether queue_ready_runs must look for late downstreams (pgflow/deps.py)
-       state = 'succeeded' AND EXISTS (SELECT 1 FROM pgflow.job_deps d
-                                       WHERE d.upstream = finished.job) AS downstream
+       state = 'succeeded' AND (SELECT EXISTS (SELECT 1 FROM pgflow.job_deps))  -- once
+           AND EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = finished.job)
+           AS downstream
 FROM finished
 
 -- name: expired_leases
