@@ -528,6 +528,10 @@ class Worker:
         if self._results:
             self.log.error("could not record results before exit; their leases will expire",
                            runs=[f.run_id for f in self._results])
+        if self._disputed:  # no renewal settles them any more
+            self.log.warning("results whose finish matched no row were not settled before"
+                             " exit: discarded; a lease still ours will expire",
+                             runs=[run_id for run_id, _ in self._disputed])
         await _close(conn)
 
     # ------------------------------------------------------------ heartbeat
