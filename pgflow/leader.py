@@ -176,7 +176,7 @@ class Leadership:
         self._term: int | None = None
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
         self._tick_at: float | None = None  # time.monotonic() of the next tick, as last read
-        self._releases: set[datetime] = set()  # ticks still to come whose runs exist already
+        self._releases: set[datetime] = set()  # ticks whose runs were created ahead, unreleased
         self._failures = 0
 
     @property
@@ -301,7 +301,6 @@ class Leadership:
                                                        "releases": sorted(self._releases)})
             clock = await cur.fetchone()
         assert clock is not None  # aggregates only: one row
-        self._releases = {t for t in self._releases if t > clock["now"]}
         seconds, release = clock["due"], clock["release"]
         if release is not None:
             if release <= RELEASE_LEAD_S:
@@ -323,8 +322,9 @@ class Leadership:
             await _notified_or_stopped(conn, stop, timeout)
 
     async def _release(self, conn: AsyncConnection[Any]) -> None:
-        """The earliest tick whose runs were created ahead has come (on the server's
-        clock, which release_ticks waits for): the workers are woken to claim them."""
+        """The earliest tick whose runs were created ahead has come, or is about to (the
+        server waits for it, release_ticks): the workers are woken to claim them. A tick
+        the leader was too busy to meet is released late, never skipped."""
         tick = min(self._releases)
         self._releases.discard(tick)
         await conn.execute(q("release_ticks"), {"at": tick})

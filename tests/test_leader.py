@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 
 from pgflow import registry
 from pgflow.leader import LeaderInfo, Leadership, current_leader
+from pgflow.scheduler import SchedulePass
 from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -293,3 +294,45 @@ def test_a_leader_busy_with_a_large_backlog_keeps_its_term(conn: Conn, db_url: s
     assert len(rows) == jobs
     for row in rows:
         assert row["runs"] == row["ticks"] == row["span"] >= backlog, row
+
+
+def test_a_leader_creates_lone_ticks_ahead_and_never_lets_one_start_early(
+        conn: Conn, db_url: str) -> None:
+    registry.apply(conn, [JobSpec.model_validate(
+        {"name": "every_second", "schedule": "* * * * * *", "command": "true",
+         "catchup": "none"})])
+
+    async def created_ahead() -> bool:
+        async with await AsyncConnection.connect(db_url) as aconn:
+            cur = await aconn.execute("SELECT count(*) FROM pgflow.runs"
+                                      " WHERE created_at < logical_time")
+            row = await cur.fetchone()
+            return row is not None and row[0] >= 3
+
+    async def scenario() -> None:
+        async with replicas(db_url, "ahead"):
+            await eventually(created_ahead, timeout=15)
+
+    asyncio.run(scenario())
+    early = conn.execute("SELECT count(*) AS n FROM pgflow.runs"
+                         " WHERE available_at < logical_time").fetchone()
+    assert early == {"n": 0}  # claimable from its tick on, never before
+
+
+def test_a_release_the_leader_was_too_busy_to_meet_is_sent_late(db_url: str) -> None:
+    """The workers are woken for a tick whose runs were created ahead even when the
+    leader looks only after it passed (a long pass, a chore)."""
+    async def scenario() -> list[str]:
+        leadership = Leadership(db_url, "busy", TTL, structlog.get_logger())
+        async with await AsyncConnection.connect(db_url, autocommit=True) as aconn, \
+                await AsyncConnection.connect(db_url, autocommit=True) as listener:
+            await listener.execute("LISTEN pgflow_queue")
+            cur = await aconn.execute("SELECT now() - interval '1 second'")
+            row = await cur.fetchone()
+            assert row is not None
+            leadership._releases = {row[0]}  # a tick already past, never released
+            await leadership._wait_for_work(aconn, asyncio.Event(), SchedulePass())
+            assert leadership._releases == set()
+            return [n.channel async for n in listener.notifies(timeout=2, stop_after=1)]
+
+    assert asyncio.run(scenario()) == ["pgflow_queue"]

@@ -64,21 +64,21 @@ WITH gone AS (
       AND r.attempt = 0 AND r.started_at IS NULL AND r.available_at > now()
       AND r.logical_time > now()  -- implied (available_at is the tick): keys the index
     RETURNING r.job, r.logical_time
-), rewound AS (
+), rewound AS (  -- runs whatever the final SELECT reads (a data-modifying CTE)
     UPDATE pgflow.jobs j SET next_fire_at = least(j.next_fire_at, g.first)
     FROM (SELECT job, min(logical_time) AS first FROM gone GROUP BY job) g
     WHERE j.name = g.job AND j.name = ANY(%(rewind)s::text[])
-    RETURNING j.name
 )
-SELECT (SELECT count(*) FROM gone) AS withdrawn, (SELECT count(*) FROM rewound) AS rewound
+SELECT count(*) AS withdrawn FROM gone
 
 -- name: seconds_until_due
 -- How long the leader may sleep (negative: something is due already; NULL: nothing is
 -- scheduled) until
 --   due:     the next pass: the earliest unpaused fire time, %(ahead_s)s seconds
 --            earlier for a job without downstream jobs (its run is created ahead);
---   release: the earliest tick in %(releases)s still to come (runs created ahead that
---            become claimable then: the leader wakes the workers at that instant).
+--   release: the earliest tick in %(releases)s (runs created ahead that become
+--            claimable then: the leader wakes the workers at that instant, or at once
+--            when it was busy past it).
 -- Only the 100 earliest fire times are looked at, one probe of job_deps each: past
 -- them, any job's pass is no earlier than the 100th fire time minus %(ahead_s)s, which
 -- bounds the answer when there are more.
@@ -96,11 +96,9 @@ WITH first AS (
                       THEN max(next_fire_at) - make_interval(secs => %(ahead_s)s) END) AS at
     FROM first
 )
-SELECT clock_timestamp() AS now,
-       extract(epoch FROM (SELECT at FROM due) - clock_timestamp())::float8 AS due,
-       extract(epoch FROM (SELECT min(t) FROM unnest(%(releases)s::timestamptz[]) AS t
-                           WHERE t > clock_timestamp()) - clock_timestamp())::float8
-           AS release
+SELECT extract(epoch FROM (SELECT at FROM due) - clock_timestamp())::float8 AS due,
+       extract(epoch FROM (SELECT min(t) FROM unnest(%(releases)s::timestamptz[]) AS t)
+                          - clock_timestamp())::float8 AS release
 
 -- name: release_ticks
 -- Wake the workers at the instant %(at)s (runs created ahead become claimable then):
