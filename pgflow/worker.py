@@ -80,6 +80,7 @@ from pgflow.queue import Finish
 
 POLL_S = 1.0
 CAPPED_CHECK_S = 0.5
+HEARTBEAT_FLOOR_S = 0.2  # the shortest pause between two renewals
 LISTEN_PING_S = 5.0
 _SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
@@ -548,7 +549,10 @@ class Worker:
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("heartbeat", exc, conn, failures)
                 continue
-            await _wait(self._wake_heartbeat, self.ttl / 3)  # a disputed result: at once
+            # A disputed result is settled at once, but a stale server that keeps refusing
+            # its finish cannot turn renewals into a tight loop.
+            await asyncio.sleep(HEARTBEAT_FLOOR_S)
+            await _wait(self._wake_heartbeat, self.ttl / 3 - HEARTBEAT_FLOOR_S)
 
     async def _beat(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """One renewal of exactly the attempts held now. It gives back unheld runs only
