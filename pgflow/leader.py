@@ -88,7 +88,7 @@ from pgflow.config import DEFAULT_RETENTION_S, LEADER_HEARTBEAT_S
 from pgflow.db import connect_async
 from pgflow.queries import q
 from pgflow.retry import backoff_delay
-from pgflow.scheduler import AHEAD, SchedulePass, run_once
+from pgflow.scheduler import AHEAD, PassPace, SchedulePass, run_once
 
 # "pgflow" followed by 0x0001: the one advisory lock the scheduler leader holds.
 LEADER_LOCK_KEY = 0x7067666C6F770001
@@ -177,6 +177,9 @@ class Leadership:
         self._confirmed_at = 0.0  # time.monotonic() of the last heartbeat that matched
         self._tick_at: float | None = None  # time.monotonic() of the next tick, as last read
         self._releases: set[datetime] = set()  # ticks whose runs were created ahead, unreleased
+        # A scheduling pass lasts a quarter of the TTL at most, so heartbeats between
+        # passes keep the term even on a loaded machine (scheduler.PassPace).
+        self._pace = PassPace(target_s=lease_ttl / 4)
         self._failures = 0
 
     @property
@@ -280,7 +283,8 @@ class Leadership:
             self._set_follower()
 
     async def _schedule(self, conn: AsyncConnection[Any]) -> SchedulePass:
-        result = await run_once(conn, before_pass=lambda: self._heartbeat(conn), ahead=AHEAD)
+        result = await run_once(conn, before_pass=lambda: self._heartbeat(conn), ahead=AHEAD,
+                                pace=self._pace)
         self._releases.update(result.releases)
         return result
 

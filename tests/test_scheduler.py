@@ -13,7 +13,9 @@ from pgflow import queue, registry
 from pgflow.queries import q
 from pgflow.scheduler import (
     MAX_RUNS_PER_PASS,
+    MIN_RUNS_PER_PASS,
     MISFIRE_GRACE,
+    PassPace,
     SchedulePass,
     _plan_batch,
     plan_fires,
@@ -326,6 +328,41 @@ def test_a_backlog_is_created_in_bounded_transactions(conn: Conn, db_url: str) -
         "SELECT max(n) AS biggest FROM (SELECT xmin, count(*) AS n FROM pgflow.runs"
         " GROUP BY xmin) t").fetchone()
     assert per_transaction is not None and per_transaction["biggest"] <= MAX_RUNS_PER_PASS
+    created = runs(conn)
+    assert len(created) == len(set(created)) == 9000
+
+
+def test_a_pace_sizes_passes_from_the_last_sizeable_one() -> None:
+    pace = PassPace(target_s=0.5)
+    assert pace.budget() == 5000  # the first estimate: 100 us a run
+    pace.observe(2500, 0.5)  # a loaded machine: 200 us a run
+    assert pace.budget() == 2500
+    pace.observe(10, 5.0)  # too small to measure the runs: ignored
+    assert pace.budget() == 2500
+    pace.observe(1000, 0.01)  # fast: up to the cap, never past it
+    assert pace.budget() == MAX_RUNS_PER_PASS
+    pace.observe(200, 60.0)  # very slow: never below the floor
+    assert pace.budget() == MIN_RUNS_PER_PASS
+
+
+def test_a_paced_backlog_keeps_each_transaction_to_the_pace_budget(
+        conn: Conn, db_url: str) -> None:
+    add_jobs(conn, [spec(f"p{i}", schedule="* * * * *", catchup="all") for i in range(3)],
+             NOW - timedelta(minutes=2999))
+    pace = PassPace(target_s=0.1, seconds_per_run=1e-4)  # 1,000 runs a pass to start
+
+    async def scenario() -> SchedulePass:
+        async with await AsyncConnection.connect(db_url, autocommit=True) as aconn:
+            return await run_once(aconn, NOW, pace=pace)
+
+    first_budget = pace.budget()
+    result = asyncio.run(scenario())
+    assert result.runs_created == 9000 and result.passes >= 2
+    sizes = conn.execute("SELECT count(*) AS n FROM pgflow.runs GROUP BY xmin"
+                         " ORDER BY min(id)").fetchall()
+    assert sizes[0]["n"] <= first_budget
+    assert max(r["n"] for r in sizes) <= MAX_RUNS_PER_PASS
+    assert pace.seconds_per_run != 1e-4  # it learnt from the passes
     created = runs(conn)
     assert len(created) == len(set(created)) == 9000
 
