@@ -84,6 +84,9 @@ HEARTBEAT_FLOOR_S = 0.2  # the shortest pause between two renewals
 LISTEN_PING_S = 5.0
 _SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
+# The claim session's plans are made again at most this often, when a claim comes back
+# full (a backlog): see Worker._replan_if_stale.
+REPLAN_S = 10.0
 MAX_FLUSH = 5000
 # Results per finish statement are bounded by size too: 5,000 results with 128 KiB of
 # output each would not fit in one parameter (PostgreSQL's jsonb stops at 256 MB).
@@ -125,6 +128,8 @@ class Worker:
         self._abandoned = 0  # sync jobs' threads running on after their attempt ended
         self._results: list[Finish] = []
         self._wake = asyncio.Event()
+        self._planned_at = 0.0  # time.monotonic() the claim session's plans date from
+        self.replans = 0  # times they were dropped (_replan_if_stale)
         self._flush = asyncio.Event()
         self._flushing = asyncio.Lock()
         self._claim_gate = asyncio.Lock()
@@ -232,10 +237,14 @@ class Worker:
                 await _wait(self._wake, POLL_S)
                 continue
             try:
-                conn = conn or await self._connect(generic_plans=True)
+                if conn is None:
+                    conn = await self._connect(generic_plans=True)
+                    self._planned_at = time.monotonic()
                 self._wake.clear()
                 async with self._claim_gate:
                     claimed = await self._claim(conn, free)
+                if claimed >= free:
+                    await self._replan_if_stale(conn)
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("claim", exc, conn, failures)
@@ -243,6 +252,21 @@ class Worker:
             if claimed < free and self._claiming:
                 await _wait(self._wake, POLL_S)
         await _close(conn)
+
+    async def _replan_if_stale(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Drop the claim session's prepared statements when they are ``REPLAN_S`` old and
+        a backlog has appeared: their generic plans were made for the runs table as it
+        was then. Planned on a nearly empty table (a replica started before the runs
+        came: a fresh install, the seeds' burst), the claim's UPDATE reads runs
+        sequentially, a scan of the whole queue per claim (4 ms a claim of 64 at 10,000
+        runs, and growing), until an ANALYZE happens to invalidate the plan. Dropped,
+        they are planned again a few claims later, for the table as it is now."""
+        now = time.monotonic()
+        if self.pooler_url is not None or now - self._planned_at < REPLAN_S:
+            return  # a pooled session prepares nothing
+        self._planned_at = now
+        await bounded(conn, conn.execute(q("replan")), self._bound_s, "claim")
+        self.replans += 1
 
     async def _claim(self, conn: psycopg.AsyncConnection[Any], free: int) -> int:
         """Claim up to ``free`` runs and start them; returns how many.

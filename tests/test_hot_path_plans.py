@@ -325,8 +325,9 @@ def test_retention_never_walks_the_queue(history: tuple[Conn, dict[str, Any]],
 
 def generic_plan_of(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The plan a session with ``plan_cache_mode = force_generic_plan`` (a worker's claim
-    session: the named query generic_plans) runs for ``name``: planned for any values."""
-    query = q(name)
+    session: the named query generic_plans) runs for ``name``, as the worker sends it
+    (the claim with its limit written in): planned for any values."""
+    query = queue._claim_sql(params["limit"]) if name == "claim_runs" else q(name)
     order: list[str] = []
 
     def placeholder(match: re.Match[str]) -> str:
@@ -367,3 +368,17 @@ def test_the_claim_sessions_generic_plans_read_no_history(
     used = {n["Index Name"] for n in nodes if "Index Name" in n}
     assert used & intended, f"{label}: expected one of {intended}, plan uses {used}"
     assert "runs_pkey" in used or not CLAIM_SESSION[label], used
+
+
+def test_the_claims_generic_plan_expects_no_more_runs_than_it_claims(
+        history: tuple[Conn, dict[str, Any]]) -> None:
+    """With the limit as a parameter, the generic plan guessed a tenth of the queue
+    (7,500 candidates of 10,000 distinct jobs' runs) and ran 20 times slower than the
+    custom one (41 ms a claim of 64). Written in, the limit bounds every estimate."""
+    conn, live = history
+    _, params, _ = statements(live)["claim"]
+    nodes = list(_nodes(generic_plan_of(conn, "claim_runs", params)))
+    updates = [n for n in nodes if n["Node Type"] == "ModifyTable"]
+    assert updates and all(n["Plan Rows"] <= params["limit"] for n in updates), updates
+    limits = [n for n in nodes if n["Node Type"] == "Limit"]
+    assert limits and all(n["Plan Rows"] <= params["limit"] for n in limits), limits

@@ -379,3 +379,21 @@ def test_an_error_postgresql_cannot_store_is_still_recorded(conn: Conn,
     wait_for(lambda: finished(conn, run_id, "failed"))
     [attempt] = attempts(conn, run_id)
     assert "no such file: report-" in attempt["error"] and attempt["error"].endswith(".csv")
+
+
+def test_a_backlog_has_the_claim_session_plan_its_statements_again(
+        conn: Conn, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plans made while the queue was empty would read the whole runs table on every
+    claim once it fills (Worker._replan_if_stale): a full claim drops them, and the
+    session goes on claiming (psycopg and the server agree on what is prepared)."""
+    from pgflow import worker as worker_module
+    monkeypatch.setattr(worker_module, "REPLAN_S", 0.0)
+    add_job(conn, "backlog", entrypoint="jobfuncs:noop")
+    handle = WorkerThread(db_url, concurrency=2, lease_ttl=30)
+    try:
+        runs = [enqueue(conn, "backlog", datetime(2024, 1, 1, tzinfo=UTC) + timedelta(seconds=i))
+                for i in range(30)]
+        wait_for(lambda: all(finished(conn, r) for r in runs), timeout=30)
+        assert handle.worker is not None and handle.worker.replans >= 2
+    finally:
+        handle.stop(grace=1)

@@ -26,3 +26,9 @@ SELECT current_setting('jit') AS jit,
 -- at 1,000,000 finished runs in tests/test_hot_path_plans.py). Direct sessions only:
 -- a pooled session prepares nothing and keeps no setting (pgflow/pooler.py).
 SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
+
+-- name: replan
+-- Drops the session's prepared statements (psycopg forgets them too, on this command's
+-- tag): the worker's claim session plans its statements again, for the table as it is
+-- now (pgflow/worker.py, Worker._replan_if_stale).
+DEALLOCATE ALL
