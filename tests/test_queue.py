@@ -203,3 +203,24 @@ def test_an_open_breaker_holds_back_capped_runs_too(conn: Conn, db_url: str) -> 
     conn.execute("UPDATE pgflow.breakers SET state = 'closed'")
     rows = on(db_url, lambda c: queue.claim_capped(c, "w", ["uses_wh", "other"], 5, 30))
     assert [r["job"] for r in rows] == ["uses_wh"]
+
+
+def test_a_finish_reads_no_job_rows_when_no_job_produces_a_dataset(conn: Conn) -> None:
+    """Jobs just registered have no statistics; the planner then expected most of them
+    to produce a dataset and read the whole jobs table for the first one, on every
+    finish (10,000 jobs: 2.6 ms a statement). The probe goes through jobs_producing_idx."""
+    registry.apply(conn, [JobSpec.model_validate({"name": f"many_{i:04d}", "command": "true"})
+                          for i in range(3000)])
+    enqueue(conn, "many_0001")
+    [row] = claim(conn, "w", limit=1)
+    plan = conn.execute("EXPLAIN (FORMAT JSON) " + q("finish_attempts"),
+                        queue.finish_params([ending(row, "succeeded", "succeeded")])).fetchone()
+    assert plan is not None
+
+    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+        return [node] + [n for child in node.get("Plans", []) for n in nodes(child)]
+
+    found = nodes(plan["QUERY PLAN"][0]["Plan"])
+    assert not [n for n in found if n["Node Type"] == "Seq Scan"
+                and n.get("Relation Name") == "jobs"]
+    assert "jobs_producing_idx" in {n.get("Index Name") for n in found}
