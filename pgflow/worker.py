@@ -84,9 +84,11 @@ HEARTBEAT_FLOOR_S = 0.2  # the shortest pause between two renewals
 LISTEN_PING_S = 5.0
 _SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
-# The claim session's plans are made again at most this often, when a claim comes back
-# full (a backlog): see Worker._replan_if_stale.
+# The claim session's plans are made again when a claim comes back full (a backlog) and
+# they are REPLAN_S old, and in any case when they are REPLAN_MAX_S old: see
+# Worker._replan_if_stale.
 REPLAN_S = 10.0
+REPLAN_MAX_S = 60.0
 MAX_FLUSH = 5000
 # Results per finish statement are bounded by size too: 5,000 results with 128 KiB of
 # output each would not fit in one parameter (PostgreSQL's jsonb stops at 256 MB).
@@ -243,8 +245,7 @@ class Worker:
                 self._wake.clear()
                 async with self._claim_gate:
                     claimed = await self._claim(conn, free)
-                if claimed >= free:
-                    await self._replan_if_stale(conn)
+                await self._replan_if_stale(conn, backlog=claimed >= free)
                 failures = 0
             except psycopg.Error as exc:
                 conn, failures = await self._db_error("claim", exc, conn, failures)
@@ -253,16 +254,19 @@ class Worker:
                 await _wait(self._wake, POLL_S)
         await _close(conn)
 
-    async def _replan_if_stale(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def _replan_if_stale(self, conn: psycopg.AsyncConnection[Any], *,
+                               backlog: bool) -> None:
         """Drop the claim session's prepared statements when they are ``REPLAN_S`` old and
-        a backlog has appeared: their generic plans were made for the runs table as it
-        was then. Planned on a nearly empty table (a replica started before the runs
-        came: a fresh install, the seeds' burst), the claim's UPDATE reads runs
-        sequentially, a scan of the whole queue per claim (4 ms a claim of 64 at 10,000
-        runs, and growing), until an ANALYZE happens to invalidate the plan. Dropped,
-        they are planned again a few claims later, for the table as it is now."""
+        a claim came back full (``backlog``), or ``REPLAN_MAX_S`` old: their generic plans
+        were made for the runs table as it was then. Planned on a nearly empty table (a
+        replica started before the runs came: a fresh install, the seeds' burst), the
+        claim's UPDATE reads runs sequentially, a scan of the whole table per claim (4 ms a
+        claim of 64 at 10,000 runs, and growing) until an ANALYZE happens to invalidate
+        the plan (never, with autovacuum off). Dropped, they are planned again a few
+        claims later, for the table as it is now."""
         now = time.monotonic()
-        if self.pooler_url is not None or now - self._planned_at < REPLAN_S:
+        age = now - self._planned_at
+        if self.pooler_url is not None or age < (REPLAN_S if backlog else REPLAN_MAX_S):
             return  # a pooled session prepares nothing
         self._planned_at = now
         await bounded(conn, conn.execute(q("replan")), self._bound_s, "claim")

@@ -397,3 +397,20 @@ def test_a_backlog_has_the_claim_session_plan_its_statements_again(
         assert handle.worker is not None and handle.worker.replans >= 2
     finally:
         handle.stop(grace=1)
+
+
+def test_the_claim_sessions_plans_are_made_again_after_a_while_without_a_backlog(
+        conn: Conn, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pgflow import worker as worker_module
+    monkeypatch.setattr(worker_module, "REPLAN_S", 3600.0)
+    monkeypatch.setattr(worker_module, "REPLAN_MAX_S", 0.0)
+    add_job(conn, "trickle", entrypoint="jobfuncs:noop")
+    handle = WorkerThread(db_url, concurrency=8, lease_ttl=30)
+    try:
+        for i in range(3):  # one at a time: no claim comes back full
+            run_id = enqueue(conn, "trickle", datetime(2024, 1, 1, tzinfo=UTC)
+                             + timedelta(seconds=i))
+            wait_for(lambda r=run_id: finished(conn, r), timeout=20)
+        assert handle.worker is not None and handle.worker.replans >= 1
+    finally:
+        handle.stop(grace=1)
