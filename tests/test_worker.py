@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sys
 from collections.abc import Iterator
@@ -410,7 +411,7 @@ def test_the_claim_sessions_plans_are_made_again_after_a_while_without_a_backlog
         for i in range(3):  # one at a time: no claim comes back full
             run_id = enqueue(conn, "trickle", datetime(2024, 1, 1, tzinfo=UTC)
                              + timedelta(seconds=i))
-            wait_for(lambda r=run_id: finished(conn, r), timeout=20)
+            wait_for(functools.partial(finished, conn, run_id), timeout=20)
         assert handle.worker is not None and handle.worker.replans >= 1
     finally:
         handle.stop(grace=1)
