@@ -224,3 +224,23 @@ def test_a_finish_reads_no_job_rows_when_no_job_produces_a_dataset(conn: Conn) -
     assert not [n for n in found if n["Node Type"] == "Seq Scan"
                 and n.get("Relation Name") == "jobs"]
     assert "jobs_producing_idx" in {n.get("Index Name") for n in found}
+
+
+@pytest.mark.parametrize("finish", [
+    Finish(run_id=7, attempt=2, owner='replica "a"\\w', state="succeeded", outcome="succeeded",
+           started_at=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)),
+    Finish(run_id=7, attempt=1, owner="w", state="succeeded", outcome="succeeded",
+           started_at=datetime(2026, 1, 2, tzinfo=UTC), exit_code=0),
+    Finish(run_id=7, attempt=1, owner="w", state="succeeded", outcome="succeeded",
+           started_at=datetime(2026, 1, 2, tzinfo=UTC), exit_code=0, stdout_tail="ok\x00"),
+    Finish(run_id=7, attempt=1, owner="w", state="retrying", outcome="failed",
+           started_at=None, delay_s=1.5, exit_code=3, error="boom"),
+    Finish(run_id=7, attempt=1, owner="w", state="retrying", outcome="failed",
+           started_at=datetime(2026, 1, 2, tzinfo=UTC), refund=True),
+])
+def test_a_finish_batch_is_the_same_document_on_the_fast_path_and_off_it(
+        finish: Finish) -> None:
+    import json
+
+    batch = json.loads(queue.finish_params([finish, finish])["results"])
+    assert batch == [queue._result(finish)] * 2
