@@ -269,7 +269,8 @@ class Worker:
         if self.pooler_url is not None or age < (REPLAN_S if backlog else REPLAN_MAX_S):
             return  # a pooled session prepares nothing
         self._planned_at = now
-        await bounded(conn, conn.execute(q("replan")), self._bound_s, "claim")
+        # never prepared itself: psycopg would prepare it after five runs like any other
+        await bounded(conn, conn.execute(q("replan"), prepare=False), self._bound_s, "claim")
         self.replans += 1
 
     async def _claim(self, conn: psycopg.AsyncConnection[Any], free: int) -> int:
