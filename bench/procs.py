@@ -140,3 +140,24 @@ def wait_until(condition: Callable[[], object], *, timeout: float, interval: flo
             raise TimeoutError(f"{what} not reached within {timeout:g}s")
         time.sleep(interval)
     return time.time()
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of the whole machine, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields)  # idle + iowait
+
+
+def wait_for_quiet(min_idle: float = 0.9, window_s: float = 1.0,
+                   timeout_s: float = 60.0) -> float:
+    """Wait until the machine's CPUs were at least ``min_idle`` idle over one ``window_s``
+    (what the figures before left running, autovacuum and checkpoints, has settled), at
+    most ``timeout_s``; returns the idle fraction of the last window."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        idle0, total0 = _cpu_times()
+        time.sleep(window_s)
+        idle1, total1 = _cpu_times()
+        idle = (idle1 - idle0) / max(1, total1 - total0)
+        if idle >= min_idle or time.monotonic() >= deadline:
+            return round(idle, 3)

@@ -195,7 +195,8 @@ FIGURE_LINES: dict[str, Any] = {
         for x in r.get("runs", [])),
     "cli": lambda r: f"pgflow --help {_fmt(_get(r, 'help', 'median_s'))} s, jobs list "
                      f"{_fmt(_get(r, 'jobs_list', 'median_s'))} s (median; python -c pass "
-                     f"{_fmt(_get(r, 'python_startup', 'median_s'))} s, load "
+                     f"{_fmt(_get(r, 'python_startup', 'median_s'))} s, CPUs "
+                     f"{_fmt(100 * (r.get('cpu_idle_before') or 0))} % idle before, load "
                      f"{' '.join(r.get('loadavg_before') or [])})",
     "commands": lambda r: f"{_fmt(_get(r, 'one_tick', 'runs_per_s'))} runs/s in one tick vs "
                           f"spawn floor {_fmt(r.get('spawn_floor_per_s'))}/s (ratio "
