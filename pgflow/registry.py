@@ -377,8 +377,8 @@ def set_paused(conn: psycopg.Connection[Any], name: str, paused: bool) -> None:
     from pgflow.runs import unknown_job_message
 
     with conn.transaction():
+        # A tick created ahead that has not come yet waits for the resume: the pause's
+        # trigger withdraws it (sql/migrations/0019_withdraw_on_pause.sql).
         if conn.execute(q("set_paused"), {"name": name, "paused": paused}).fetchone() is None:
             raise NotFound(unknown_job_message(conn, name))
-        if paused:  # a tick created ahead has not come yet: it waits for the resume
-            scheduler.withdraw_ahead(conn, [name], rewind=[name])
         conn.execute(q("notify_jobs_changed"))

@@ -464,6 +464,24 @@ def test_a_pause_withdraws_the_run_created_ahead_and_a_resume_creates_it_again(
     assert [r["logical_time"] for r in ahead_runs(conn)] == [tick]
 
 
+def test_a_pause_made_with_plain_sql_withdraws_the_run_created_ahead_too(
+        conn: Conn, db_url: str) -> None:
+    tick = future_tick(conn)
+    add_jobs(conn, [spec("lone", schedule="0 * * * *"), spec("other", schedule="0 * * * *")],
+             tick)
+    schedule_ahead(db_url, tick)
+    conn.execute("UPDATE pgflow.runs SET available_at = now() WHERE job = 'other'")
+    assert [r["job"] for r in claim_now(db_url)] == ["other"]
+    conn.execute("UPDATE pgflow.jobs SET paused = true")  # no pgflow code involved
+    assert [r["job"] for r in ahead_runs(conn)] == ["other"]  # a started run stays
+    assert fire_times(conn)["lone"] == tick
+    conn.execute("UPDATE pgflow.jobs SET paused = true")  # already paused: nothing moves
+    assert fire_times(conn)["lone"] == tick
+    conn.execute("UPDATE pgflow.jobs SET paused = false")
+    assert schedule_ahead(db_url, tick).runs_created == 1
+    assert [r["logical_time"] for r in ahead_runs(conn) if r["job"] == "lone"] == [tick]
+
+
 def test_a_registration_withdraws_the_runs_created_ahead_of_the_jobs_it_changes(
         conn: Conn, db_url: str) -> None:
     tick = future_tick(conn)
