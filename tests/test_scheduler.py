@@ -482,6 +482,35 @@ def test_a_pause_made_with_plain_sql_withdraws_the_run_created_ahead_too(
     assert [r["logical_time"] for r in ahead_runs(conn) if r["job"] == "lone"] == [tick]
 
 
+def test_the_pause_trigger_and_withdraw_ahead_runs_take_the_same_runs(
+        conn: Conn, db_url: str) -> None:
+    """The pause's trigger (migration 0019) repeats withdraw_ahead_runs' choice of runs in
+    the migration's own SQL: both must keep taking exactly the same runs and fire times."""
+    tick = future_tick(conn)
+    names = ["ahead", "started", "manual"]
+    add_jobs(conn, [spec(n, schedule="0 * * * *") for n in names], tick)
+    schedule_ahead(db_url, tick)
+    conn.execute("UPDATE pgflow.runs SET available_at = now() WHERE job = 'started'")
+    assert [r["job"] for r in claim_now(db_url)] == ["started"]
+    conn.execute("DELETE FROM pgflow.runs WHERE job = 'manual'")
+    conn.execute(q("create_plain_run"), {"job": "manual", "logical_time": tick,
+                                         "trigger": "manual", "params": None,
+                                         "only_lone": False})
+    # only its trigger tells it from a tick created ahead
+    conn.execute("UPDATE pgflow.runs SET available_at = %s WHERE job = 'manual'", (tick,))
+
+    def after(change: str, params: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+        with conn.transaction(force_rollback=True):
+            conn.execute(change, params)
+            left = [r["job"] for r in ahead_runs(conn)]
+            return left, fire_times(conn)
+
+    by_trigger = after("UPDATE pgflow.jobs SET paused = true", {})
+    by_query = after(q("withdraw_ahead_runs"), {"names": names, "rewind": names})
+    assert by_trigger == by_query
+    assert by_trigger[0] == ["manual", "started"] and by_trigger[1]["ahead"] == tick
+
+
 def test_a_registration_withdraws_the_runs_created_ahead_of_the_jobs_it_changes(
         conn: Conn, db_url: str) -> None:
     tick = future_tick(conn)

@@ -57,7 +57,8 @@ SELECT count(*) AS locked FROM (
 -- for the jobs in %(rewind)s the fire time moves back to the earliest withdrawn tick, so
 -- the next pass creates it again as the job now stands (the others are getting a new
 -- fire time from their caller). A claim that won the race took its run: no longer
--- queued, it stays.
+-- queued, it stays. A pause takes the same runs in its trigger
+-- (sql/migrations/0019_withdraw_on_pause.sql; a test keeps the two in step).
 WITH gone AS (
     DELETE FROM pgflow.runs r
     WHERE r.job = ANY(%(names)s::text[]) AND r.state = 'queued' AND r.trigger = 'schedule'
