@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 from engine import add_job, attempts, enqueue, run_row, start_dag
+from psycopg import sql
+from psycopg.rows import dict_row
 
 from pgflow import queue, reaper, registry, retry
 from pgflow.queries import q
@@ -216,11 +218,7 @@ def test_a_finish_reads_no_job_rows_when_no_job_produces_a_dataset(conn: Conn) -
     plan = conn.execute("EXPLAIN (FORMAT JSON) " + q("finish_attempts"),
                         queue.finish_params([ending(row, "succeeded", "succeeded")])).fetchone()
     assert plan is not None
-
-    def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
-        return [node] + [n for child in node.get("Plans", []) for n in nodes(child)]
-
-    found = nodes(plan["QUERY PLAN"][0]["Plan"])
+    found = _nodes(plan["QUERY PLAN"][0]["Plan"])
     assert not [n for n in found if n["Node Type"] == "Seq Scan"
                 and n.get("Relation Name") == "jobs"]
     assert "jobs_producing_idx" in {n.get("Index Name") for n in found}
@@ -244,3 +242,43 @@ def test_a_finish_batch_is_the_same_document_on_the_fast_path_and_off_it(
 
     batch = json.loads(queue.finish_params([finish, finish])["results"])
     assert batch == [queue._result(finish)] * 2
+
+
+def test_a_claim_plan_made_on_an_empty_queue_is_replaced_after_a_replan(db_url: str) -> None:
+    """What Worker._replan_if_stale mends: in the claim session (generic plans), a claim
+    prepared while runs was empty keeps reading runs whole once it fills; after the
+    replan, psycopg prepares it again and the new plan reads runs through its indexes."""
+    session = psycopg.connect(db_url, autocommit=True, row_factory=dict_row)
+    with session:
+        session.execute(q("generic_plans"))
+        text, params = queue._claim_sql(8), {"worker": "w", "ttl": 30.0}
+
+        def plan_scans() -> set[tuple[str, str]]:
+            [name] = [r["name"] for r in session.execute(
+                "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
+                ("%Claim up to 8 runs%",))]
+            row = session.execute(sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {}('w', 30)").format(
+                sql.Identifier(name))).fetchone()
+            assert row is not None
+            return {(n["Node Type"], n.get("Index Name", "")) for n in
+                    _nodes(row["QUERY PLAN"][0]["Plan"]) if n.get("Relation Name") == "runs"}
+
+        for _ in range(6):  # past psycopg's prepare threshold: prepared, planned empty
+            assert session.execute(text, params).fetchall() == []
+        registry.apply(session, [JobSpec.model_validate({"name": f"fill_{i}", "command": "true"})
+                                 for i in range(20)])
+        session.execute(q("create_plain_runs"), {
+            "jobs": [f"fill_{i % 20}" for i in range(5000)],
+            "times": [datetime(2024, 1, 1, tzinfo=UTC) + timedelta(seconds=i)
+                      for i in range(5000)],
+            "trigger": "manual", "params": None, "only_lone": False})
+        assert ("Seq Scan", "") in plan_scans()  # the stale plan
+        session.execute(q("replan"), prepare=False)
+        for _ in range(6):
+            assert len(session.execute(text, params).fetchall()) == 8
+        scans = plan_scans()
+        assert ("Seq Scan", "") not in scans, scans
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node] + [n for child in node.get("Plans", []) for n in _nodes(child)]
