@@ -1,8 +1,8 @@
 """Where the database is and how to reach it.
 
-``resolve_url`` returns ``PGFLOW_DATABASE_URL`` or, when it is unset, the URL of
-the embedded cluster of ``PGFLOW_HOME`` (started on demand). ``connect`` turns
-every connection failure into one readable DatabaseUnavailable line.
+How to reach the database. Where it is (``PGFLOW_DATABASE_URL`` or the embedded
+cluster): ``dbconfig.resolve_url``. ``connect`` turns every connection failure into
+one readable DatabaseUnavailable line.
 
 A replica's own connections (``connect_async``) notice a dead peer in seconds (TCP
 keepalives and ``tcp_user_timeout``, both ways); worker and reaper sessions also get
@@ -20,44 +20,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import sys
 from collections.abc import Awaitable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import migrate
+from pgflow.dbconfig import redact
 from pgflow.errors import DatabaseUnavailable
 from pgflow.queries import q
-
-if TYPE_CHECKING:  # pydantic is not imported by commands that only connect
-    from pgflow.config import Settings
-    from pgflow.dbconfig import DatabaseSettings
-
-
-def resolve_url(settings: Settings | DatabaseSettings, *, announce: bool = True) -> str:
-    if settings.database_url:
-        return settings.database_url
-    from pgflow.embedded import embedded_cluster
-
-    url = embedded_cluster(settings.home).ensure_running()
-    if announce:
-        print(f"pgflow: using embedded PostgreSQL {url}", file=sys.stderr)
-    return url
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    url = re.sub(r"([?&\s]password=)[^&\s]*", r"\1***", url)  # as libpq variables pinned it
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
-# pgflow's statements are short OLTP statements, but the row estimates of the recursive
-# DAG queries can pass jit_above_cost, and compiling then costs about a second each.
-SESSION_SETUP = "SET jit = off"
 
 
 def connect(url: str, *, pooled: bool = False,
@@ -70,7 +44,7 @@ def connect(url: str, *, pooled: bool = False,
             url, autocommit=True, row_factory=dict_row, connect_timeout=10, **kwargs
         )
         if not pooled:
-            conn.execute(SESSION_SETUP)
+            conn.execute(q("session_setup"))
         return conn
     except (psycopg.Error, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
@@ -125,7 +99,7 @@ async def connect_async(url: str, name: str, *, statement_timeout: float | None 
     if pooled:
         return conn
     if statement_timeout is None:
-        await conn.execute(SESSION_SETUP)
+        await conn.execute(q("session_setup"))
     else:
         await conn.execute(q("session_limits"),
                            {"timeout": f"{max(1, round(statement_timeout * 1000))}ms"})

@@ -9,12 +9,17 @@ same checks and messages; ``config.Settings`` uses the same check and default.
 from __future__ import annotations
 
 import os
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pgflow.errors import ConfigError
+
+if TYPE_CHECKING:  # pydantic is not imported by commands that only connect
+    from pgflow.config import Settings
 
 
 def default_home() -> Path:
@@ -56,3 +61,22 @@ def load_database_settings(environ: Mapping[str, str] | None = None,
             source = "flag --" + name.replace("_", "-") if flag else "PGFLOW_" + name.upper()
             raise ConfigError(f"invalid setting {source}={raw!r}: {exc}") from None
     return DatabaseSettings(**values)
+
+
+def resolve_url(settings: Settings | DatabaseSettings, *, announce: bool = True) -> str:
+    """``database_url``, or the URL of the embedded cluster of ``home`` (started on
+    demand) when it is unset."""
+    if settings.database_url:
+        return settings.database_url
+    from pgflow.embedded import embedded_cluster
+
+    url = embedded_cluster(settings.home).ensure_running()
+    if announce:
+        print(f"pgflow: using embedded PostgreSQL {url}", file=sys.stderr)
+    return url
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    url = re.sub(r"([?&\s]password=)[^&\s]*", r"\1***", url)  # as libpq variables pinned it
+    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)

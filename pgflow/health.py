@@ -27,7 +27,8 @@ import psycopg
 
 from pgflow import migrate
 from pgflow.config import split_bind
-from pgflow.db import bounded, connect_async, redact
+from pgflow.db import bounded, connect_async
+from pgflow.dbconfig import redact
 from pgflow.errors import PgflowError
 from pgflow.queries import q
 

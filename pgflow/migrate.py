@@ -12,10 +12,10 @@ import hashlib
 import re
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-from psycopg.rows import tuple_row
+if TYPE_CHECKING:  # pgflow.libpq checks for pending migrations without psycopg
+    import psycopg
 
 # pg_advisory_xact_lock key: 'pgflow' + 'mig' in ASCII, chosen to avoid clashes with user locks.
 MIGRATION_LOCK = 0x7067666C6F776D69
@@ -52,10 +52,18 @@ class MigrationStatus:
     modified: bool  # applied, but the shipped file differs from what was applied
 
 
+def _folder() -> Any:
+    return resources.files("pgflow.sql").joinpath("migrations")
+
+
+def available_versions() -> set[int]:
+    """The shipped migrations' numbers, without reading the files."""
+    return {int(m.group(1)) for entry in _folder().iterdir() if (m := _FILE.match(entry.name))}
+
+
 def available() -> list[Migration]:
-    folder = resources.files("pgflow.sql").joinpath("migrations")
     found = []
-    for entry in folder.iterdir():
+    for entry in _folder().iterdir():
         match = _FILE.match(entry.name)
         if match:
             sql = entry.read_text(encoding="utf-8")
@@ -65,6 +73,8 @@ def available() -> list[Migration]:
 
 
 def _applied(conn: psycopg.Connection[Any]) -> dict[int, tuple[str, str]]:
+    from psycopg.rows import tuple_row
+
     cur = conn.cursor(row_factory=tuple_row)
     exists = cur.execute("SELECT to_regclass('pgflow.schema_migrations')").fetchone()
     if not exists or exists[0] is None:

@@ -24,6 +24,7 @@ from pgflow.queries import q
 if TYPE_CHECKING:  # imported on first use: `pgflow --help` needs neither (cli/_lazy.py)
     import psycopg
 
+    from pgflow import libpq
     from pgflow.config import Settings
     from pgflow.dbconfig import DatabaseSettings
 
@@ -64,9 +65,9 @@ class Ctx:
 
     def url(self) -> str:
         if self._url is None:
-            from pgflow import db
+            from pgflow.dbconfig import resolve_url
 
-            self._url = db.resolve_url(self.database)
+            self._url = resolve_url(self.database)
         return self._url
 
     def conn(self) -> psycopg.Connection[dict[str, Any]]:
@@ -75,6 +76,35 @@ class Ctx:
 
             self._conn = db.connect_migrated(self.url(), self.database.pooler_url)
         return self._conn
+
+    def rows(self, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """The rows of a read-only named query: through libpq itself when it loads and
+        the schema is current (pgflow/libpq.py: importing psycopg is most of a short
+        command's time), else through ``conn()``, which applies pending migrations."""
+        if self._conn is None and (session := self._read_session()) is not None:
+            try:
+                return session.rows(q(query), params)
+            finally:
+                session.close()
+        return self.conn().execute(q(query), params).fetchall()
+
+    def _read_session(self) -> libpq.Session | None:
+        from pgflow import libpq, migrate
+
+        pooler = self.database.pooler_url
+        url = self.url()
+        session = libpq.open_session(pooler or url,
+                                     session_setup=None if pooler else q("session_setup"))
+        if session is None:
+            return None
+        try:
+            applied = {row["version"] for row in session.rows(q("applied_migrations"))}
+        except libpq.QueryFailed:  # no schema yet
+            applied = set()
+        if migrate.available_versions() <= applied:
+            return session
+        session.close()
+        return None
 
 
 pass_ctx = click.make_pass_decorator(Ctx)

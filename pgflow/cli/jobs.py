@@ -7,7 +7,6 @@ import json
 import click
 
 from pgflow.cli._base import Ctx, emit_json, emit_table, fetch_job, json_option, pass_ctx
-from pgflow.queries import q
 
 
 @click.group("jobs")
@@ -22,7 +21,7 @@ def jobs_group() -> None:
 @pass_ctx
 def jobs_list(ctx: Ctx, tenant: str | None, limit: int, as_json: bool) -> None:
     """List jobs."""
-    rows = ctx.conn().execute(q("list_jobs"), {"tenant": tenant, "limit": limit}).fetchall()
+    rows = ctx.rows("list_jobs", {"tenant": tenant, "limit": limit})
     if as_json:
         emit_json(rows)
     else:

@@ -16,8 +16,8 @@ from psycopg_pool import ConnectionPool
 from starlette.requests import Request
 
 from pgflow.config import Settings
-from pgflow.db import SESSION_SETUP
 from pgflow.metrics import Metrics
+from pgflow.queries import q
 from pgflow.web.auth import Signer
 
 T = TypeVar("T")
@@ -53,7 +53,7 @@ class TtlCache:
 
 
 def _configure(conn: psycopg.Connection[Any]) -> None:
-    conn.execute(SESSION_SETUP)
+    conn.execute(q("session_setup"))
 
 
 def new_pool(url: str, max_size: int = 10, *, pooled: bool = False) -> ConnectionPool[Any]:

@@ -1,5 +1,11 @@
 -- Session settings of a replica's own connections (see pgflow/db.py).
 
+-- name: session_setup
+-- Every direct session: pgflow's statements are short OLTP statements, but the row
+-- estimates of the recursive DAG queries can pass jit_above_cost, and compiling then
+-- costs about a second each.
+SET jit = off
+
 -- name: session_limits
 -- Worker and reaper sessions: no statement, and no transaction left idle, outlasts
 -- %(timeout)s; a client that vanished mid-statement is noticed within a second (PG 14+);
@@ -32,3 +38,8 @@ SELECT set_config('plan_cache_mode', 'force_generic_plan', false)
 -- tag): the worker's claim session plans its statements again, for the table as it is
 -- now (pgflow/worker.py, Worker._replan_if_stale).
 DEALLOCATE ALL
+
+-- name: applied_migrations
+-- The migrations a database has (pgflow/cli/_base.py: a read-only command checks the
+-- schema is current before reading through libpq).
+SELECT version FROM pgflow.schema_migrations
