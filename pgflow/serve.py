@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -74,7 +75,9 @@ def serve(options: ServeOptions) -> None:
     # Entrypoints name modules relative to where the replica runs, as with `pgflow apply`.
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    failure = asyncio.run(_serve(hide_secrets(options)))
+    options = hide_secrets(options)
+    freeze_startup_heap()
+    failure = asyncio.run(_serve(options))
     if any(t.name.startswith("pgflow-job") and t.is_alive() for t in threading.enumerate()):
         # A sync job that ignores ctx.cancelled would hold the exit (the interpreter joins
         # pool threads at exit); its run is already back in the queue, so leave now.
@@ -85,6 +88,16 @@ def serve(options: ServeOptions) -> None:
         os._exit(1 if failure else 0)
     if failure:
         raise PgflowError(failure)
+
+
+def freeze_startup_heap() -> None:
+    """Hand what startup made (modules, settings, pydantic schemas: some 70,000 objects)
+    to the collector's permanent generation. A replica allocates a few containers per run;
+    every full collection traversed all of them, about 40 ms on a small machine, a stall
+    of the event loop in the middle of a burst of runs (two per 10,000 runs). What runs,
+    jobs and connections create afterwards is collected as usual."""
+    gc.collect()
+    gc.freeze()
 
 
 def hide_secrets(options: ServeOptions) -> ServeOptions:
