@@ -380,6 +380,8 @@ WITH result AS (
     JOIN pgflow.job_deps d ON d.upstream = f.job
     JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = f.logical_time
     WHERE f.state = 'succeeded' AND p.state = 'pending'
+      -- evaluated once: without any dependency, no probe of job_deps per finished run
+      AND (SELECT EXISTS (SELECT 1 FROM pgflow.job_deps))
     ORDER BY p.id
     FOR UPDATE OF p
 )
