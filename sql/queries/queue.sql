@@ -89,7 +89,12 @@ WITH RECURSIVE
     FROM candidates c
     LEFT JOIN running n ON n.tenant = c.tenant
 ), picked AS (
-    SELECT id FROM ranked ORDER BY priority DESC, place, available_at, id LIMIT %(limit)s
+    -- One tenant waiting (the usual case): its candidates, at most %(limit)s, are the
+    -- claim, and the ranking (a sort and a window over them) runs only when tenants compete.
+    SELECT id FROM candidates WHERE NOT (SELECT shared FROM contest)
+    UNION ALL
+    (SELECT id FROM ranked WHERE (SELECT shared FROM contest)
+     ORDER BY priority DESC, place, available_at, id LIMIT %(limit)s)
 ),
 -- include: claim_step
 
