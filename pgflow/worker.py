@@ -716,6 +716,9 @@ async def _close(conn: psycopg.AsyncConnection[Any] | None) -> None:
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:
+    # wait_for, not asyncio.timeout (which would save a task per wake-up): on 3.11 a
+    # timeout that expires as the event is set leaves the cancellation pending (uncancel
+    # does not clear it), and the loop's next await dies of it (tests/test_worker.py).
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), timeout=timeout)
 
