@@ -35,7 +35,11 @@ _tried = False
 
 
 class QueryFailed(PgflowError):
-    """The server refused a statement; the message is its first line."""
+    """The server refused a statement (or the connection broke): ``database error:`` and
+    the first line of libpq's message, as the CLI shows a psycopg error."""
+
+    def __init__(self, message: bytes | None) -> None:
+        super().__init__(f"database error: {_first_line(message, 'query failed')}")
 
 
 def _candidates() -> list[str]:
@@ -115,13 +119,13 @@ class Session:
         result = lib.PQexecParams(self._handle, text.encode(), len(values), None,
                                   _strings(values), None, None, 0)
         if not result:
-            raise QueryFailed(_first_line(lib.PQerrorMessage(self._handle), "query failed"))
+            raise QueryFailed(lib.PQerrorMessage(self._handle))
         try:
             status = lib.PQresultStatus(result)
             if status == _COMMAND_OK:
                 return []
             if status != _TUPLES_OK:
-                raise QueryFailed(_first_line(lib.PQresultErrorMessage(result), "query failed"))
+                raise QueryFailed(lib.PQresultErrorMessage(result))
             return _decode(lib, result)
         finally:
             lib.PQclear(result)

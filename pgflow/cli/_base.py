@@ -99,8 +99,11 @@ class Ctx:
             return None
         try:
             applied = {row["version"] for row in session.rows(q("applied_migrations"))}
-        except libpq.QueryFailed:  # no schema yet
+        except libpq.QueryFailed:  # no schema yet, or not readable: psycopg's path says
             applied = set()
+        except BaseException:
+            session.close()
+            raise
         if migrate.available_versions() <= applied:
             return session
         session.close()
