@@ -28,6 +28,7 @@ from pgflow.errors import DatabaseUnavailable, PgflowError
 
 _CONNECTION_OK = 0
 _TUPLES_OK, _COMMAND_OK = 2, 1
+_PRIMARY_MESSAGE = ord("M")  # PG_DIAG_MESSAGE_PRIMARY
 _PARAM = re.compile(r"%\((\w+)\)s|%%")
 
 _lib: ctypes.CDLL | None = None
@@ -79,6 +80,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ("PQexecParams", [p, s, i, p, ctypes.POINTER(s), p, p, i], p),
         ("PQresultStatus", [p], i),
         ("PQresultErrorMessage", [p], s),
+        ("PQresultErrorField", [p, i], s),
         ("PQntuples", [p], i),
         ("PQnfields", [p], i),
         ("PQfname", [p, i], s),
@@ -125,7 +127,9 @@ class Session:
             if status == _COMMAND_OK:
                 return []
             if status != _TUPLES_OK:
-                raise QueryFailed(lib.PQresultErrorMessage(result))
+                # the primary message, as psycopg words it (no "ERROR:  " severity)
+                raise QueryFailed(lib.PQresultErrorField(result, _PRIMARY_MESSAGE)
+                                  or lib.PQresultErrorMessage(result))
             return _decode(lib, result)
         finally:
             lib.PQclear(result)
