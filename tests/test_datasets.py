@@ -500,7 +500,8 @@ def test_retention_keeps_events_of_a_run_that_may_still_run(conn: Conn, db_url: 
 def test_a_storm_of_emits_while_every_replica_is_killed_twice(
         conn: Conn, db_url: str, tmp_path: Path) -> None:
     """40 emits while both replicas are SIGKILLed twice: every event is consumed by
-    exactly one run, and each run's command saw exactly the events that run consumed."""
+    exactly one run of each consumer (or, for the mode-all one, still waits for an event
+    of its other dataset), and each run's command saw exactly the events it consumed."""
     seen = tmp_path / "seen"
     seen.mkdir()
     # Each attempt writes what it saw to a file named by run and attempt (atomically).
@@ -532,17 +533,30 @@ def test_a_storm_of_emits_while_every_replica_is_killed_twice(
             time.sleep(rng.uniform(0.02, 0.12))
 
         def settled() -> bool:
+            # "both" (mode all) may keep events of one dataset waiting for the other: the
+            # last stock event waits for good if "both" took the last orders event before
+            # it came (a run of "both" still active while the orders came in, over just
+            # before the stock one). Events of both datasets waiting would be a bug.
             row = conn.execute(
-                "SELECT (SELECT count(*) FROM pgflow.dataset_deliveries WHERE run_id IS NULL)"
-                " AS waiting, (SELECT count(*) FROM pgflow.runs WHERE trigger = 'dataset'"
+                "SELECT (SELECT count(*) FROM pgflow.dataset_deliveries WHERE run_id IS NULL"
+                " AND job = 'report') AS report_waiting,"
+                " (SELECT count(DISTINCT dataset) FROM pgflow.dataset_deliveries"
+                " WHERE run_id IS NULL AND job = 'both') AS both_waiting_datasets,"
+                " (SELECT count(*) FROM pgflow.runs WHERE trigger = 'dataset'"
                 " AND state <> 'succeeded') AS unfinished").fetchone()
-            return row == {"waiting": 0, "unfinished": 0}
-        wait_for(settled, timeout=120, interval=0.2)
+            return row["report_waiting"] == 0 and row["both_waiting_datasets"] <= 1 \
+                and row["unfinished"] == 0
+        try:
+            wait_for(settled, timeout=120, interval=0.2)
+        except AssertionError:
+            raise AssertionError(f"not settled: {_dataset_state(conn)}") from None
     finally:
         replicas.close()
     orders = {e["id"] for e in events(conn, "orders")}
+    waiting = {row["event_id"] for row in conn.execute(
+        "SELECT event_id FROM pgflow.dataset_deliveries WHERE job = 'both' AND run_id IS NULL")}
     every = set(emitted)
-    for job, wanted in (("report", orders), ("both", every)):
+    for job, wanted in (("report", orders), ("both", every - waiting)):
         by_run: dict[int, set[int]] = {}
         for run in dataset_runs(conn, job):
             by_run[run["id"]] = set(consumed(conn, run["id"]))
@@ -557,3 +571,21 @@ def test_a_storm_of_emits_while_every_replica_is_killed_twice(
             for file in files:  # every attempt of the run saw exactly its events
                 assert {e["id"] for e in json.loads(file.read_text())} == ids
 
+
+
+def _dataset_state(conn: Conn) -> dict[str, Any]:
+    """What a dataset test that did not settle left behind (for its failure message)."""
+    return {
+        "unfinished_runs": conn.execute(
+            "SELECT id, job, state, attempt, max_attempts, lease_owner, lease_expires_at,"
+            " available_at, held, capped, now() AS now FROM pgflow.runs"
+            " WHERE trigger = 'dataset' AND state <> 'succeeded' ORDER BY id").fetchall(),
+        "waiting_deliveries": conn.execute(
+            "SELECT d.job, e.dataset, count(*) AS n FROM pgflow.dataset_deliveries d"
+            " JOIN pgflow.dataset_events e ON e.id = d.event_id WHERE d.run_id IS NULL"
+            " GROUP BY 1, 2 ORDER BY 1, 2").fetchall(),
+        "leader": conn.execute("SELECT replica_id, term, heartbeat_at FROM pgflow.leader"
+                               ).fetchall(),
+        "replicas": conn.execute("SELECT id, heartbeat_at FROM pgflow.replicas ORDER BY id"
+                                 ).fetchall(),
+    }
