@@ -1,8 +1,6 @@
-"""Where the database is and how to reach it.
-
-How to reach the database. Where it is (``PGFLOW_DATABASE_URL`` or the embedded
-cluster): ``dbconfig.resolve_url``. ``connect`` turns every connection failure into
-one readable DatabaseUnavailable line.
+"""How to reach the database (where it is, ``PGFLOW_DATABASE_URL`` or the embedded
+cluster: ``dbconfig.resolve_url``). ``connect`` turns every connection failure into one
+readable DatabaseUnavailable line.
 
 A replica's own connections (``connect_async``) notice a dead peer in seconds (TCP
 keepalives and ``tcp_user_timeout``, both ways); worker and reaper sessions also get
