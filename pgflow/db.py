@@ -27,8 +27,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import migrate
-from pgflow.dbconfig import redact
-from pgflow.errors import DatabaseUnavailable
+from pgflow.dbconfig import unreachable
 from pgflow.queries import q
 
 
@@ -45,8 +44,7 @@ def connect(url: str, *, pooled: bool = False,
             conn.execute(q("session_setup"))
         return conn
     except (psycopg.Error, ValueError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        raise DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}") from None
+        raise unreachable(url, str(exc) or type(exc).__name__) from None
 
 
 def connect_pooled(url: str, pooler_url: str | None) -> psycopg.Connection[dict[str, Any]]:

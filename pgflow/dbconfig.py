@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pgflow.errors import ConfigError
+from pgflow.errors import ConfigError, DatabaseUnavailable
 
 if TYPE_CHECKING:  # pydantic is not imported by commands that only connect
     from pgflow.config import Settings
@@ -80,3 +80,10 @@ def redact(url: str) -> str:
     """The URL without its password, for messages and logs."""
     url = re.sub(r"([?&\s]password=)[^&\s]*", r"\1***", url)  # as libpq variables pinned it
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def unreachable(url: str, message: str) -> DatabaseUnavailable:
+    """The one-line error of a refused connection: the URL without its password and the
+    last line of libpq's message (the reason; the lines before say which address)."""
+    reason = (message.strip().splitlines() or ["connection refused"])[-1]
+    return DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}")

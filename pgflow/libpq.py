@@ -23,8 +23,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from pgflow.dbconfig import redact
-from pgflow.errors import DatabaseUnavailable, PgflowError
+from pgflow.dbconfig import unreachable
+from pgflow.errors import PgflowError
 
 _CONNECTION_OK = 0
 _TUPLES_OK, _COMMAND_OK = 2, 1
@@ -143,7 +143,7 @@ class Session:
 def open_session(url: str, *, session_setup: str | None = None) -> Session | None:
     """A connection to ``url``, or None when libpq is not loadable here or the server's
     DateStyle is not ISO (its text timestamps are read only in that style). A refused
-    connection raises DatabaseUnavailable with libpq's reason, as ``db.connect`` does."""
+    connection raises DatabaseUnavailable (``dbconfig.unreachable``), as ``db.connect`` does."""
     lib = _load()
     if lib is None:
         return None
@@ -153,16 +153,19 @@ def open_session(url: str, *, session_setup: str | None = None) -> Session | Non
         return None  # out of memory in libpq: let psycopg try
     session = Session(lib, handle)
     if lib.PQstatus(handle) != _CONNECTION_OK:
-        message = (lib.PQerrorMessage(handle) or b"").decode("utf-8", "replace").strip()
+        message = (lib.PQerrorMessage(handle) or b"").decode("utf-8", "replace")
         session.close()
-        reason = (message.splitlines() or ["connection refused"])[-1]
-        raise DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}")
+        raise unreachable(url, message)
     datestyle = (lib.PQparameterStatus(handle, b"DateStyle") or b"").decode()
     if not datestyle.startswith("ISO"):
         session.close()
         return None
     if session_setup:
-        session.rows(session_setup)
+        try:
+            session.rows(session_setup)
+        except BaseException:
+            session.close()
+            raise
     return session
 
 

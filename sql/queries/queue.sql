@@ -379,14 +379,16 @@ WITH result AS (
     RETURNING id, dataset
 ),
 -- include: deliver_events
-, candidates AS (
+, dag AS (
+    -- evaluated once: without any dependency, no probe of job_deps per finished run
+    SELECT EXISTS (SELECT 1 FROM pgflow.job_deps) AS any_dependency
+), candidates AS (
     SELECT p.id
     FROM finished f
     JOIN pgflow.job_deps d ON d.upstream = f.job
     JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = f.logical_time
     WHERE f.state = 'succeeded' AND p.state = 'pending'
-      -- evaluated once: without any dependency, no probe of job_deps per finished run
-      AND (SELECT EXISTS (SELECT 1 FROM pgflow.job_deps))
+      AND (SELECT any_dependency FROM dag)
     ORDER BY p.id
     FOR UPDATE OF p
 )
@@ -395,7 +397,7 @@ SELECT id, state, backfill_id, (SELECT array_agg(id) FROM candidates) AS candida
        (SELECT count(*) FROM (SELECT pg_notify('pgflow_datasets', '')
                               FROM (SELECT 1 FROM delivered LIMIT 1) d) n) AS delivered,
        -- whether queue_ready_runs must look for late downstreams (pgflow/deps.py)
-       state = 'succeeded' AND (SELECT EXISTS (SELECT 1 FROM pgflow.job_deps))  -- once
+       state = 'succeeded' AND (SELECT any_dependency FROM dag)
            AND EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = finished.job)
            AS downstream
 FROM finished
