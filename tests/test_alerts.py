@@ -58,6 +58,30 @@ def _finish(conn: Conn, job: str, params: dict[str, Any], offset_s: int) -> int:
     return run_id
 
 
+def test_dead_letters_found_in_the_pass_that_resolves_their_streak_join_its_incident(
+        conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
+    """Two more dead letters and the success after them, all in one pass: the incident
+    lists all three dead letters before it is resolved (it used to list only the first:
+    the resolve came before the append, which skips resolved incidents)."""
+    apply_toml(conn, tmp_path / "a.toml", _alert(receiver) + """
+[jobs.load]
+entrypoint = "jobfuncs:fail_if"
+retry = { max_attempts = 1 }
+""")
+    worker = WorkerThread(db_url, concurrency=2)
+    try:
+        first = _finish(conn, "load", {"fail": True}, 1)
+        assert evaluate_once(db_url).opened == {"run_failed": 1}
+        more = [_finish(conn, "load", {"fail": True}, i) for i in (2, 3)]
+        _finish(conn, "load", {}, 4)
+        assert evaluate_once(db_url).resolved == {"run_failed": 1}
+    finally:
+        worker.stop()
+    [incident] = incidents(conn, "run_failed")
+    assert incident["runs"] == [first, *more] and incident["resolved_at"] is not None
+    assert incident["summary"].endswith("3 dead letters in a row")
+
+
 def test_a_streak_of_dead_letters_pages_once_and_the_next_success_recovers_once(
         conn: Conn, db_url: str, tmp_path: Path, receiver: Receiver) -> None:
     apply_toml(conn, tmp_path / "a.toml", _alert(receiver) + """

@@ -169,12 +169,12 @@ async def _streaks(cur: Any, conn: AsyncConnection[Any], cursor: dict[str, Any],
             current[job] = None
             open_by_job.pop(job, None)
             plan.append(("resolve", row, []))
+    if appended:  # before the transitions: a streak this batch resolves takes them too
+        await cur.execute(q("alert_append_runs"), {
+            "rows": json.dumps([{"id": k, "runs": v} for k, v in appended.items()])})
     transitions = [_run_failed(row, runs, links) if kind == "open" else
                    _run_recovered(row, links) for kind, row, runs in plan]
     await apply(conn, transitions, found)
-    if appended:
-        await cur.execute(q("alert_append_runs"), {
-            "rows": json.dumps([{"id": k, "runs": v} for k, v in appended.items()])})
     last: dict[str, dict[str, Any]] = {}
     for row in rows:
         last[row["job"]] = {"job": row["job"], "last_run_id": row["id"],
