@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-from collections.abc import Awaitable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from psycopg.rows import dict_row
 
 from pgflow import migrate
 from pgflow.dbconfig import unreachable
+from pgflow.errors import DatabaseUnavailable
 from pgflow.queries import q
 
 
@@ -52,12 +54,13 @@ def connect_pooled(url: str, pooler_url: str | None) -> psycopg.Connection[dict[
     return connect(pooler_url, pooled=True) if pooler_url else connect(url)
 
 
-def connect_migrated(url: str,
-                     pooler_url: str | None = None) -> psycopg.Connection[dict[str, Any]]:
+def connect_migrated(url: str, pooler_url: str | None = None, *,
+                     wait_s: float = 0.0) -> psycopg.Connection[dict[str, Any]]:
     """A connection to a database whose schema is current (pending migrations are applied:
     ``migrate`` is safe from several processes at once). With ``pooler_url`` the connection
-    goes through the pooler, and only migrations, when some are pending, use ``url``."""
-    conn = connect_pooled(url, pooler_url)
+    goes through the pooler, and only migrations, when some are pending, use ``url``.
+    ``wait_s``: how long to wait for a server that is starting or restarting."""
+    conn = _connect_when_started(lambda: connect_pooled(url, pooler_url), wait_s)
     if migrate.pending(conn):
         migrator = connect(url) if pooler_url else conn
         try:
@@ -67,6 +70,26 @@ def connect_migrated(url: str,
                 migrator.close()
         print(f"pgflow: applied {len(applied)} migration(s)", file=sys.stderr)
     return conn
+
+
+def _connect_when_started(connect_once: Callable[[], psycopg.Connection[dict[str, Any]]],
+                          wait_s: float) -> psycopg.Connection[dict[str, Any]]:
+    """``connect_once()``, tried again every half second for up to ``wait_s`` while the
+    server says it is starting (``DatabaseUnavailable.starting``); any other refusal, such
+    as a wrong password or a missing database, is raised at once."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return connect_once()
+        except DatabaseUnavailable as exc:
+            if not exc.starting or time.monotonic() >= deadline:
+                raise
+            if not told:
+                print(f"pgflow: waiting up to {wait_s:g} s for the database ({exc})",
+                      file=sys.stderr)
+                told = True
+            time.sleep(0.5)
 
 
 # Notice a dead peer in seconds instead of the kernel's hours (TCP only; no-ops on a unix

@@ -82,8 +82,17 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
 
 
+# What libpq reports while a server starts, replays its WAL after a crash, shuts down for
+# a restart (SQLSTATE 57P03) or does not listen yet: a replica started beside a database
+# that is (re)starting waits for it (``db.connect_migrated``).
+_STARTING = ("Connection refused", "No such file or directory", "is starting up",
+             "not yet accepting connections", "is in recovery mode", "is shutting down")
+
+
 def unreachable(url: str, message: str) -> DatabaseUnavailable:
     """The one-line error of a refused connection: the URL without its password and the
     last line of libpq's message (the reason; the lines before say which address)."""
     reason = (message.strip().splitlines() or ["connection refused"])[-1]
-    return DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}")
+    error = DatabaseUnavailable(f"cannot connect to {redact(url)}: {reason}")
+    error.starting = any(text in message for text in _STARTING)
+    return error

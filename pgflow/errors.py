@@ -19,6 +19,10 @@ class ConfigError(PgflowError):
 class DatabaseUnavailable(PgflowError):
     """The database cannot be reached or started."""
 
+    #: the server is starting, recovering or restarting (or not listening yet): the same
+    #: connection may succeed in a moment, unlike a refused login or a missing database
+    starting: bool = False
+
 
 class NotFound(PgflowError):
     """A named job, run or other object does not exist."""

@@ -170,6 +170,46 @@ def connect(url: str) -> Conn:
     return psycopg.connect(url, autocommit=True, row_factory=dict_row)
 
 
+def test_a_replica_started_while_the_database_is_down_waits_for_it(
+        private_cluster: Cluster, cluster_url: str, tmp_path: Path) -> None:
+    # A compose file or a node reboot starts replicas beside a database that is not up
+    # yet (or still replaying its WAL): the replica waits rather than exiting.
+    started = Replicas(cluster_url, tmp_path)
+    try:
+        with connect(cluster_url) as conn:
+            add_job(conn, "quick", entrypoint="jobfuncs:noop")
+        private_cluster.kill()
+        replica = started.start("early")
+        wait_for(lambda: "waiting up to 60 s for the database" in replica.tail(), timeout=20)
+        time.sleep(1.5)
+        assert replica.alive(), replica.tail()
+        private_cluster.start()
+        with connect(cluster_url) as conn:
+            replica.id(conn, timeout=30)
+            quick = trigger(cluster_url, tmp_path, "quick")
+            assert wait_state(conn, quick, "succeeded", "failed")["state"] == "succeeded"
+    finally:
+        started.close()
+
+
+def test_a_replica_refused_for_good_exits_at_once_with_one_line(
+        private_cluster: Cluster, cluster_url: str, tmp_path: Path) -> None:
+    # Only a server that is starting is waited for; a database that does not exist is
+    # a mistake to report now, not in a minute.
+    missing = cluster_url.replace("/pgflow?", "/no_such_database?")
+    assert missing != cluster_url
+    started = Replicas(missing, tmp_path)
+    try:
+        replica = started.start("misconfigured")
+        assert replica.wait_exit(20) != 0
+        output = replica.tail()
+        assert output.startswith("error: cannot connect to "), output
+        assert '"no_such_database" does not exist' in output and output.count("\n") == 0
+        assert "waiting" not in output
+    finally:
+        started.close()
+
+
 @pytest.mark.parametrize("outage", ["kill", "stop", "kill-beyond-ttl"])
 def test_replicas_survive_a_database_restart(
         private_cluster: Cluster, cluster_url: str, tmp_path: Path, outage: str) -> None:

@@ -70,11 +70,13 @@ class Ctx:
             self._url = resolve_url(self.database)
         return self._url
 
-    def conn(self) -> psycopg.Connection[dict[str, Any]]:
+    def conn(self, *, wait_s: float = 0.0) -> psycopg.Connection[dict[str, Any]]:
+        """The command's connection (``wait_s``: for a database that is still starting)."""
         if self._conn is None:
             from pgflow import db
 
-            self._conn = db.connect_migrated(self.url(), self.database.pooler_url)
+            self._conn = db.connect_migrated(self.url(), self.database.pooler_url,
+                                             wait_s=wait_s)
         return self._conn
 
     def rows(self, query: str, params: dict[str, Any]) -> list[dict[str, Any]]:

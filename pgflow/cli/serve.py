@@ -8,6 +8,10 @@ from pgflow import registry
 from pgflow.cli._base import Ctx, pass_ctx
 
 ALL_ROLES = ("scheduler", "worker", "reaper", "web")
+# A replica started beside a database that is starting, recovering or failing over (a
+# compose file, a node reboot, Patroni promoting a standby) waits for it this long rather
+# than exiting into a restart loop; a wrong password or database fails at once.
+STARTUP_WAIT_S = 60.0
 
 
 @click.command("serve")
@@ -63,7 +67,7 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
         raise click.BadParameter(str(exc), param_hint="'--grace'") from None
     chosen = tuple(dict.fromkeys(roles)) or ALL_ROLES
     url = ctx.url()
-    conn = ctx.conn()
+    conn = ctx.conn(wait_s=STARTUP_WAIT_S)
     if ctx.settings.pooler_url:
         from pgflow.pooler import advice
 
