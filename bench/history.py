@@ -46,6 +46,7 @@ from bench.context import EPOCH, Bench, one, register, wait_registered
 from bench.stats import pct, summary
 from pgflow import db, migrate, retention
 from pgflow.queries import q
+from pgflow.queue import NO_OFFER
 
 NOOP = {"name": "noop", "entrypoint": "bench.jobs:noop"}
 ROLES = ("scheduler", "worker", "reaper")
@@ -132,6 +133,7 @@ class _Probe(threading.Thread):
             while not self.stop.wait(PROBE_S):
                 with conn.transaction(force_rollback=True):
                     row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + q("claim_runs"), {
+                        **NO_OFFER,
                         "worker": "bench-probe", "limit": 10, "ttl": 30.0}).fetchone()
                 assert row is not None
                 plan = row["QUERY PLAN"][0]

@@ -23,6 +23,7 @@ import psycopg
 from bench.context import register
 from pgflow import queue, retention
 from pgflow.queries import q
+from pgflow.queue import NO_OFFER
 
 Conn = psycopg.Connection[dict[str, Any]]
 
@@ -150,7 +151,8 @@ def seed_active(conn: Conn) -> dict[str, Any]:
             state="pending", backfill_id=backfill["id"], trigger="backfill")
     # Claim RUNNING noop runs (oldest first) and every `up` run for one worker.
     conn.execute("UPDATE pgflow.runs SET priority = 1 WHERE job = 'up'")
-    claimed = conn.execute(q("claim_runs"), {"worker": WORKER, "limit": RUNNING + DAG_RUNS,
+    claimed = conn.execute(q("claim_runs"), {**NO_OFFER, "worker": WORKER,
+                                             "limit": RUNNING + DAG_RUNS,
                                              "ttl": 3600.0}).fetchall()
     running = [(r["id"], r["attempt"], r["job"], r["attempt_started_at"].isoformat())
                for r in claimed]
@@ -194,7 +196,7 @@ def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, An
     ups = _finish_batch(running, "up")
     now = None
     return {
-        "claim": ([], "claim_runs", {"worker": "probe", "limit": 100, "ttl": 30.0}),
+        "claim": ([], "claim_runs", {**NO_OFFER, "worker": "probe", "limit": 100, "ttl": 30.0}),
         "capped_waiting": ([], "capped_jobs_waiting", {}),
         "claim_capped": ([("lock_capped_jobs", {"jobs": ["capped"]})], "claim_capped_runs",
                          {"jobs": ["capped"], "worker": "probe", "limit": 4, "ttl": 30.0,

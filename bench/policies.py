@@ -25,6 +25,7 @@ from bench.context import Bench, count_runs, enqueue, floats, register, unfinish
 from pgflow import registry
 from pgflow.policies import Policies, SourceSpec, TenantSpec
 from pgflow.queries import q
+from pgflow.queue import NO_OFFER
 
 
 def _policies(conn: Any, tenants: list[TenantSpec], sources: list[SourceSpec]) -> None:
@@ -72,7 +73,8 @@ def _explain(conn: Any, repeat: int = 7) -> dict[str, Any]:
     for _ in range(repeat):
         with conn.transaction():
             row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + q("claim_runs"),
-                               {"worker": "bench", "limit": 100, "ttl": 30.0}).fetchone()
+                               {**NO_OFFER, "worker": "bench", "limit": 100,
+                                "ttl": 30.0}).fetchone()
             raise psycopg.Rollback()
         plan = row["QUERY PLAN"][0]
         total = plan["Planning Time"] + plan["Execution Time"]

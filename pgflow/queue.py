@@ -1,6 +1,7 @@
 """The run lifecycle statements, shaped for batches: claim, renew, finish.
 
-These are the only writers of ``running`` and of attempt endings; the SQL is in
+These are the only writers of ``running`` and of attempt endings, but for the trigger
+that hands its run to an idle worker (pgflow/handoff.py); the SQL is in
 ``sql/queries/queue.sql``. Each call is one statement whatever the batch size.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from pgflow import backfill, breakers, deps
+from pgflow import backfill, breakers, deps, handoff
 from pgflow.queries import q
 
 
@@ -133,12 +134,50 @@ def _refunded(f: Finish) -> Finish:
     return replace(f, state=state, delay_s=0.0, refund=True)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a claim that leaves slots free offers to triggers (pgflow/handoff.py)."""
+
+    seq: int  # names this claim in the handoffs made from its offer
+    listen_pid: int  # the backend pid of the worker's LISTEN session
+
+
+# claim_runs' parameters of the offer, for a claim that makes none (a worker's claims
+# always pass them: ``claim``; tests and the bench run the statement by itself).
+NO_OFFER: dict[str, Any] = {"seq": None, "listen_pid": None, "offer_s": None}
+
+
 async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
-                ttl: float) -> list[dict[str, Any]]:
+                ttl: float, offer: Offer | None = None) -> list[dict[str, Any]]:
+    """Claim up to ``limit`` runs; with ``offer``, slots left free are offered to
+    triggers, and without it any earlier offer of ``worker`` is withdrawn."""
     cur = conn.cursor(row_factory=dict_row)
+    params = {"worker": worker, "ttl": ttl, "seq": offer and offer.seq,
+              "listen_pid": offer and offer.listen_pid, "offer_s": handoff.OFFER_S}
     # Binary results: timestamps and arrays of hundreds of rows load faster than text.
-    await cur.execute(_claim_sql(limit), {"worker": worker, "ttl": ttl}, binary=True)
+    await cur.execute(_claim_sql(limit), params, binary=True)
     return await cur.fetchall()
+
+
+async def give_back(conn: psycopg.AsyncConnection[Any], worker: str,
+                    keys: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Queue again the handed-off runs (run id, attempt) this worker will not start;
+    returns those given back (a run cancelled meanwhile ends cancelled, and its
+    downstream runs fail with it)."""
+    async with conn.transaction():
+        cur = conn.cursor(row_factory=dict_row)
+        await cur.execute(q("give_back_handoff"), {
+            "worker": worker, "ids": [run_id for run_id, _ in keys],
+            "attempts": [attempt for _, attempt in keys]})
+        rows = await cur.fetchall()
+        ended = [row["id"] for row in rows if row["state"] == "cancelled"]
+        if ended:
+            await deps.fail_downstreams_async(conn, ended)
+    return rows
+
+
+async def withdraw_offer(conn: psycopg.AsyncConnection[Any], worker: str) -> None:
+    await conn.execute(q("withdraw_offer"), {"worker": worker})
 
 
 @lru_cache(maxsize=1024)

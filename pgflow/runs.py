@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from pgflow import backfill, deps
+from pgflow import backfill, deps, handoff
 from pgflow.errors import Conflict, InvalidInput, NotFound, PgflowError
 from pgflow.queries import q
 
@@ -57,8 +57,8 @@ def trigger(
     # latency path. Others (and refusals) go through the DAG-run statement.
     params_json = None if params is None else Jsonb(params)
     plain = conn.execute(q("create_plain_run"), {
-        "job": job, "logical_time": logical_time, "trigger": "manual", "params": params_json,
-        "only_lone": downstream}).fetchone()
+        "job": job, "logical_time": logical_time, "params": params_json,
+        "only_lone": downstream, "handoff": handoff.may_hand_off(conn)}).fetchone()
     if plain is not None:
         return int(plain["id"])
     with conn.transaction():  # a refused trigger creates no downstream runs either

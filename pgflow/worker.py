@@ -14,7 +14,8 @@ Five loops share a replica's worker state:
   capped tenant or source) are looked at twice a second, or on every wake-up while
   some wait: their runs that are not of lower priority than the best claimable
   uncapped run are claimed first, the others after the uncapped claim; at the same
-  cadence, half-open breakers get their one probe run (pgflow/breakers.py);
+  cadence, half-open breakers get their one probe run (pgflow/breakers.py). A claim
+  that leaves slots free offers them to triggers (pgflow/handoff.py);
 - complete: results are buffered and written by one ``finish_attempts`` statement
   per flush; while a flush is in flight the next batch gathers (group commit),
   so latency is one round-trip when idle and batches grow under load;
@@ -23,7 +24,9 @@ Five loops share a replica's worker state:
   from us (the reaper saw the lease expire): its attempt is stopped and its result
   dropped (fencing);
 - fence: stops every attempt whose local lease deadline passed (below);
-- listen: NOTIFY ``pgflow_cancel`` stops a running attempt at once.
+- listen: NOTIFY ``pgflow_cancel`` stops a running attempt at once; a run handed
+  to this worker by a trigger arrives on its own channel and starts at once, or is
+  given back (``give_back_handoff``) when it cannot.
 
 Leases, as this worker keeps them:
 - The books are keyed by (run id, attempt): ``active`` holds the attempts that
@@ -71,7 +74,7 @@ from typing import Any
 
 import psycopg
 
-from pgflow import breakers, live, queue, retry
+from pgflow import breakers, handoff, live, queue, retry
 from pgflow.db import StatementTimeout, bounded, connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.log import LazyLogger
@@ -84,6 +87,7 @@ HEARTBEAT_FLOOR_S = 0.2  # the shortest pause between two renewals
 LISTEN_PING_S = 5.0
 _SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
+OFFERS_KEPT = 16  # an offer lapses in handoff.OFFER_S: a few claims' worth
 # The claim session's plans are made again when a claim comes back full (a backlog) and
 # they are REPLAN_S old, and in any case when they are REPLAN_MAX_S old: see
 # Worker._replan_if_stale.
@@ -143,6 +147,14 @@ class Worker:
         self._claiming = True
         self._hurry = asyncio.Event()
         self._capped_seen = True  # until the first look says otherwise
+        # Handoffs (pgflow/handoff.py): the LISTEN session's backend, the claims that
+        # offered free slots (seq -> time.monotonic() just before sending), the handed-off
+        # runs to give back.
+        self._listen_pid: int | None = None
+        self._offers: dict[int, float] = {}
+        self._offer_seq = 0
+        self._give_backs: list[Key] = []
+        self._reserved = 0  # slots a claim in flight may fill: not for handoffs
         self._capped_checked = 0.0
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="pgflow-job")
@@ -244,7 +256,11 @@ class Worker:
                     self._planned_at = time.monotonic()
                 self._wake.clear()
                 async with self._claim_gate:
-                    claimed = await self._claim(conn, free)
+                    self._reserved = free
+                    try:
+                        claimed = await self._claim(conn, free)
+                    finally:
+                        self._reserved = 0
                 await self._replan_if_stale(conn, backlog=claimed >= free)
                 failures = 0
             except psycopg.Error as exc:
@@ -252,6 +268,9 @@ class Worker:
                 continue
             if claimed < free and self._claiming:
                 await _wait(self._wake, POLL_S)
+        if conn is not None:  # draining: triggers hand us nothing more
+            with contextlib.suppress(psycopg.Error):
+                await bounded(conn, queue.withdraw_offer(conn, self.id), self._bound_s, "claim")
         await _close(conn)
 
     async def _replan_if_stale(self, conn: psycopg.AsyncConnection[Any], *,
@@ -292,7 +311,8 @@ class Worker:
                 started += await self._claim_capped(conn, first, free, waiting.uncapped_priority)
         if started < free:
             sent = time.monotonic()
-            rows = await bounded(conn, queue.claim(conn, self.id, free - started, self.ttl),
+            rows = await bounded(conn, queue.claim(conn, self.id, free - started, self.ttl,
+                                                   self._offer(sent)),
                                  self._bound_s, "claim")
             started += self._start_all(rows, sent)
         rest: list[str] = []
@@ -306,6 +326,37 @@ class Worker:
         if due and started < free:
             started += await self._claim_probes(conn, free - started)
         return started
+
+    def _offer(self, sent: float) -> queue.Offer | None:
+        """The offer a claim sent at ``sent`` makes of the slots it leaves free: none
+        through a pooler (a session's pid means nothing there), without a LISTEN session,
+        or while draining."""
+        if self.pooler_url is not None or self._listen_pid is None or not self._claiming:
+            return None
+        self._offer_seq += 1
+        self._offers[self._offer_seq] = sent
+        if len(self._offers) > OFFERS_KEPT:
+            del self._offers[next(iter(self._offers))]
+        return queue.Offer(self._offer_seq, self._listen_pid)
+
+    def _handed_off(self, payload: str) -> None:
+        """A trigger handed us a run (pgflow/handoff.py): start it now, with the deadline
+        of the claim whose offer it took, or give it back."""
+        seq, row = handoff.decode(payload)
+        key: Key = (row["id"], row["attempt"])
+        sent = self._offers.get(seq)
+        now = time.monotonic()
+        free = self.free_slots() - self._reserved
+        if (sent is None or sent + self.ttl - self._fence_margin_s <= now
+                or not self._claiming or free <= 0 or key in self.active):
+            self.log.info("handed-off run given back", run_id=key[0], attempt=key[1],
+                          free_slots=free, claiming=self._claiming)
+            self._give_backs.append(key)
+            self._flush.set()
+            return
+        self._start(row, sent + self.ttl)
+        if sent + self.ttl - now < self.ttl / 2:
+            self._wake_heartbeat.set()  # the offer was old: renew the lease early
 
     async def _claim_probes(self, conn: psycopg.AsyncConnection[Any], limit: int) -> int:
         """Half-open breakers' probe runs (one per breaker, cluster-wide; breakers.py),
@@ -475,6 +526,8 @@ class Worker:
 
     async def _flush_once(self, conn: psycopg.AsyncConnection[Any]) -> None:
         async with self._flushing:  # the drain and the complete loop may both flush
+            if self._give_backs:
+                await self._give_back(conn)
             while self._results:
                 batch = self._next_batch()
                 try:
@@ -484,6 +537,15 @@ class Worker:
                     self._results[:0] = [f for f in batch
                                          if (f.run_id, f.attempt) in self._unrecorded]
                     raise
+
+    async def _give_back(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        keys = list(self._give_backs)
+        rows = await bounded(conn, queue.give_back(conn, self.id, keys), self._bound_s,
+                             "finish")
+        del self._give_backs[:len(keys)]
+        if len(rows) < len(keys):
+            self.log.info("handed-off runs not given back: no longer ours",
+                          runs=sorted({k[0] for k in keys} - {r["id"] for r in rows}))
 
     def _next_batch(self) -> list[Finish]:
         count, size = 0, 0
@@ -667,6 +729,7 @@ class Worker:
             try:
                 conn = await self._connect(listen=True)
                 await bounded(conn, conn.execute(q("listen_worker")), self._bound_s, "listen")
+                self._listen_pid = conn.info.backend_pid  # our handoff channel (handoff.py)
                 self._wake.set()  # notifications may have been missed while disconnected
                 failures = 0
                 while True:
@@ -675,11 +738,14 @@ class Worker:
                     # Quiet for a while: make sure the connection is alive, not silent.
                     await bounded(conn, conn.execute(q("ping")), self._beat_bound_s, "listen")
             except psycopg.Error as exc:
+                self._listen_pid = None  # offers with it stay unused (their pid is gone)
                 conn, failures = await self._db_error("listen", exc, conn, failures)
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == "pgflow_queue":
             self._wake.set()
+        elif channel.startswith(handoff.CHANNEL_PREFIX):
+            self._handed_off(payload)
         elif channel == "pgflow_cancel" and payload.isdigit():
             held = self._newest.get(int(payload))
             if held is not None:

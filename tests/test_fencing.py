@@ -21,6 +21,7 @@ from psycopg.rows import dict_row
 
 from pgflow import reaper
 from pgflow.queries import q
+from pgflow.queue import NO_OFFER
 
 Conn = psycopg.Connection[dict[str, Any]]
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -72,7 +73,7 @@ def test_a_claim_whose_reply_never_arrived_does_not_stay_running(
     # A claim for w7 commits, but its rows never reach w7 (the connection died first).
     with conn.transaction():
         run_id = enqueue(conn, "orphan", at=T0)
-        [row] = conn.execute(q("claim_runs"), {"worker": "w7", "limit": 5, "ttl": 1.5})
+        [row] = conn.execute(q("claim_runs"), {**NO_OFFER, "worker": "w7", "limit": 5, "ttl": 1.5})
     assert (row["id"], run_row(conn, run_id)["lease_owner"]) == (run_id, "w7")
     # w7's heartbeat gives it back (no attempt used up) and w7 then claims and runs it.
     wait_for(lambda: run_row(conn, run_id)["state"] == "succeeded", timeout=20)
@@ -99,7 +100,7 @@ def test_a_claim_in_flight_is_not_taken_for_a_lost_one(
     assert gate.result(10)
     with conn.transaction():
         late = enqueue(conn, "late", at=T0)
-        conn.execute(q("claim_runs"), {"worker": "w7", "limit": 5, "ttl": 30})
+        conn.execute(q("claim_runs"), {**NO_OFFER, "worker": "w7", "limit": 5, "ttl": 30})
     seen = [run_row(conn, holder)["lease_expires_at"]]
 
     def renewed_twice() -> bool:

@@ -27,6 +27,7 @@ from psycopg.rows import dict_row
 
 from pgflow import queue, registry
 from pgflow.queries import q
+from pgflow.queue import NO_OFFER
 from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -145,7 +146,7 @@ def _live_workload(conn: Conn, backfill_id: int) -> dict[str, Any]:
     conn.execute("UPDATE pgflow.runs SET priority = 1 WHERE job = 'up' AND state = 'queued'")
     conn.execute("UPDATE pgflow.jobs SET next_fire_at = now() - interval '1 s'"
                  " WHERE name LIKE 'tick-%%'")
-    claimed = conn.execute(q("claim_runs"), {"worker": WORKER, "limit": 150,
+    claimed = conn.execute(q("claim_runs"), {**NO_OFFER, "worker": WORKER, "limit": 150,
                                              "ttl": 3600.0}).fetchall()
     floor = conn.execute(q("runs_floor"), {**LISTING, "scan": 20_000}).fetchone()
     assert floor is not None and floor["floor"] is not None
@@ -175,7 +176,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
     assert noop and ups
     tomorrow = LIVE + timedelta(days=1)
     return {
-        "claim": ("claim_runs", {"worker": "w2", "limit": 100, "ttl": 30.0},
+        "claim": ("claim_runs", {**NO_OFFER, "worker": "w2", "limit": 100, "ttl": 30.0},
                   {"runs_claimable_idx"}),
         "capped waiting": ("capped_jobs_waiting", {}, {"runs_claimable_capped_idx"}),
         "capped claim": ("claim_capped_runs", {"jobs": ["capped"], "worker": "w2", "limit": 2,
@@ -213,7 +214,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             "jobs": [f"tick-{i:03d}" for i in range(100)], "times": [tomorrow] * 100,
             "trigger": "schedule", "params": None, "only_lone": False}, set()),
         "trigger": ("create_plain_run", {
-            "job": "tick-000", "logical_time": tomorrow, "trigger": "manual", "params": None,
+            "job": "tick-000", "logical_time": tomorrow, "handoff": True, "params": None,
             "only_lone": True}, set()),
         "backfill release": ("release_backfill_runs", {"ids": [live["backfill_id"]]},
                              {"runs_backfill_held_idx", "runs_backfill_idx"}),

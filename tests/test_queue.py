@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 
 from pgflow import queue, reaper, registry, retry
 from pgflow.queries import q
-from pgflow.queue import Finish
+from pgflow.queue import NO_OFFER, Finish
 from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -35,7 +35,8 @@ def on(db_url: str, work: Callable[[AConn], Awaitable[T]]) -> T:
 
 
 def claim(conn: Conn, worker: str, limit: int = 100, ttl: float = 30) -> list[dict[str, Any]]:
-    return conn.execute(q("claim_runs"), {"worker": worker, "limit": limit, "ttl": ttl}).fetchall()
+    return conn.execute(q("claim_runs"), {**NO_OFFER, "worker": worker, "limit": limit,
+                                          "ttl": ttl}).fetchall()
 
 
 def ending(row: dict[str, Any], state: str, outcome: str, worker: str = "w") -> Finish:
@@ -251,13 +252,15 @@ def test_a_claim_plan_made_on_an_empty_queue_is_replaced_after_a_replan(db_url: 
     session = psycopg.connect(db_url, autocommit=True, row_factory=dict_row)
     with session:
         session.execute(q("generic_plans"))
-        text, params = queue._claim_sql(8), {"worker": "w", "ttl": 30.0}
+        text, params = queue._claim_sql(8), {**NO_OFFER, "worker": "w", "ttl": 30.0}
 
         def plan_scans() -> set[tuple[str, str]]:
             [name] = [r["name"] for r in session.execute(
                 "SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
                 ("%Claim up to 8 runs%",))]
-            row = session.execute(sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE {}('w', 30)").format(
+            # worker, seq, ttl, listen_pid, offer_s: the placeholders in text order
+            row = session.execute(sql.SQL(
+                "EXPLAIN (FORMAT JSON) EXECUTE {}('w', NULL, 30, NULL, NULL)").format(
                 sql.Identifier(name))).fetchone()
             assert row is not None
             return {(n["Node Type"], n.get("Index Name", "")) for n in

@@ -494,7 +494,7 @@ def test_the_pause_trigger_and_withdraw_ahead_runs_take_the_same_runs(
     assert [r["job"] for r in claim_now(db_url)] == ["started"]
     conn.execute("DELETE FROM pgflow.runs WHERE job = 'manual'")
     conn.execute(q("create_plain_run"), {"job": "manual", "logical_time": tick,
-                                         "trigger": "manual", "params": None,
+                                         "handoff": False, "params": None,
                                          "only_lone": False})
     # only its trigger tells it from a tick created ahead
     conn.execute("UPDATE pgflow.runs SET available_at = %s WHERE job = 'manual'", (tick,))

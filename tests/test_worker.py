@@ -17,7 +17,7 @@ from engine import WorkerThread, add_job, attempts, enqueue, run_row, wait_for
 
 from pgflow import queue, reaper, registry
 from pgflow.queries import q
-from pgflow.queue import Finish
+from pgflow.queue import NO_OFFER, Finish
 from pgflow.spec import JobSpec
 
 Conn = psycopg.Connection[dict[str, Any]]
@@ -195,7 +195,7 @@ def test_claim_query_is_an_index_scan_with_many_finished_runs(conn: Conn) -> Non
         " now() FROM generate_series(1, 200000) g")
     conn.execute("ANALYZE pgflow.runs")
     plan = conn.execute("EXPLAIN " + q("claim_runs"),
-                        {"worker": "w", "limit": 10, "ttl": 30}).fetchall()
+                        {**NO_OFFER, "worker": "w", "limit": 10, "ttl": 30}).fetchall()
     text = "\n".join(row["QUERY PLAN"] for row in plan)
     assert "runs_claimable_idx" in text and "Seq Scan on runs" not in text
 
@@ -302,7 +302,8 @@ def test_a_result_the_database_refuses_does_not_hold_back_the_others(conn: Conn,
     add_job(conn, "j", entrypoint="jobfuncs:noop")
     runs = [enqueue(conn, "j", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
             for i in range(5)]
-    claimed = conn.execute(q("claim_runs"), {"worker": "w15", "limit": 10, "ttl": 60}).fetchall()
+    claimed = conn.execute(q("claim_runs"), {**NO_OFFER, "worker": "w15", "limit": 10,
+                                             "ttl": 60}).fetchall()
     assert len(claimed) == 5
     # This database cannot hold a tail this long (as a batch can outgrow what one
     # parameter holds): the statement carrying it fails whole.
@@ -343,7 +344,8 @@ def test_a_finish_refused_by_a_stale_server_is_recorded_when_the_lease_is_still_
     add_job(conn, "j", entrypoint="jobfuncs:noop")
     ours, lost = [enqueue(conn, "j", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
                   for i in range(2)]
-    claimed = conn.execute(q("claim_runs"), {"worker": "w16", "limit": 10, "ttl": 60}).fetchall()
+    claimed = conn.execute(q("claim_runs"), {**NO_OFFER, "worker": "w16", "limit": 10,
+                                             "ttl": 60}).fetchall()
     assert {r["id"] for r in claimed} == {ours, lost}
     stale = "UPDATE pgflow.runs SET lease_owner = %s WHERE id = %s"
 

@@ -65,8 +65,11 @@ SELECT id, job, logical_time, state, trigger,
        CASE WHEN state = 'queued' THEN pg_notify('pgflow_queue', '') END AS woke
 FROM inserted
 
--- fragment: plain_runs_from
--- create_plain_runs and create_plain_run, up to the source of (job, logical_time) pairs i.
+-- name: create_plain_runs
+-- Runs that start no DAG run: ticks and triggers of jobs without downstream jobs (the
+-- caller knows, or asks with %(only_lone)s to skip any job that has downstream jobs),
+-- and --no-downstream triggers. One INSERT that also wakes the workers; a NULL time
+-- means the database's now(), to the second. Same result as create_runs for these jobs.
 WITH inserted AS (
     INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,
                              priority, params, capped, held, available_at)
@@ -76,9 +79,7 @@ WITH inserted AS (
            -- a tick created ahead (pgflow/scheduler.py) is claimable from its time on
            CASE WHEN %(trigger)s = 'schedule' THEN greatest(now(), i.logical_time)
                 ELSE now() END
-
--- fragment: plain_runs_rest
--- create_plain_runs and create_plain_run, after the source of the pairs.
+    FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
     JOIN pgflow.jobs j ON j.name = i.job
     WHERE NOT %(only_lone)s
        OR NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
@@ -89,23 +90,77 @@ SELECT id, job, logical_time, state, trigger,
        (SELECT pg_notify('pgflow_queue', ''))::text AS woke  -- once per statement
 FROM inserted
 
--- name: create_plain_runs
--- Runs that start no DAG run: ticks and triggers of jobs without downstream jobs (the
--- caller knows, or asks with %(only_lone)s to skip any job that has downstream jobs),
--- and --no-downstream triggers. One INSERT that also wakes the workers; a NULL time
--- means the database's now(), to the second. Same result as create_runs for these jobs.
--- include: plain_runs_from
-    FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
--- include: plain_runs_rest
-
 -- name: create_plain_run
--- One run as create_plain_runs makes them (pgflow.runs.trigger: on the latency path),
--- from scalar parameters: its plan does not depend on how many pairs come, so a session
--- that prepared it plans it once (the array form was planned again on every call, 0.2 ms
--- of a 0.5 ms trigger).
--- include: plain_runs_from
-    FROM (VALUES (%(job)s::text, %(logical_time)s::timestamptz)) AS i(job, logical_time)
--- include: plain_runs_rest
+-- One manual run as create_plain_runs makes them (pgflow.runs.trigger: on the latency
+-- path), from scalar parameters: its plan does not depend on how many pairs come, so a
+-- session that prepared it plans it once. With %(handoff)s, a run that could start at
+-- once (not capped, no breaker open, small enough for a notification) is handed to an
+-- idle worker's offer when there is one: created running under that worker's lease, and
+-- the claim row goes to the worker's own channel (pgflow/handoff.py). Otherwise it is
+-- queued and the workers are woken.
+WITH job AS (
+    SELECT j.name, j.max_attempts, j.tenant, j.priority, j.capped, j.held,
+           j.params || coalesce(%(params)s::jsonb, '{}') AS params, j.command, j.entrypoint,
+           j.timeout_s, j.backoff_s, j.max_backoff_s, j.jitter, j.no_retry_exit_codes,
+           j.sources
+    FROM pgflow.jobs j
+    WHERE j.name = %(job)s::text
+      AND (NOT %(only_lone)s
+           OR NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name))
+), offer AS (
+    SELECT i.worker, i.seq, i.ttl_s, i.listen_pid
+    FROM pgflow.idle_workers i, job j
+    WHERE %(handoff)s AND i.slots > 0 AND i.until > now()
+      AND NOT j.capped AND NOT j.held
+      -- what varies in the notification's size, well under its 8,000 bytes
+      AND octet_length(j.params::text) + octet_length(coalesce(j.command::text, j.entrypoint))
+          + octet_length(j.sources::text) + octet_length(j.no_retry_exit_codes::text)
+          + octet_length(j.name) < 6000
+      AND NOT EXISTS (SELECT 1 FROM pgflow.breakers WHERE state <> 'closed')
+      -- its LISTEN session still holds its lock (listen_worker): a worker killed a
+      -- moment ago gets nothing (the shared lock taken otherwise ends with this statement)
+      AND NOT pg_try_advisory_xact_lock_shared(1885825135, i.listen_pid)
+    ORDER BY i.until DESC
+    LIMIT 1
+    FOR UPDATE OF i SKIP LOCKED
+), inserted AS (
+    -- clock_timestamp(), not now(): the lease starts after the offer was made, which is
+    -- what the worker's own deadline for it counts from (pgflow/handoff.py)
+    INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,
+                             priority, params, capped, held, available_at, attempt,
+                             lease_owner, lease_expires_at, attempt_started_at, started_at,
+                             handed_off)
+    SELECT j.name, coalesce(%(logical_time)s::timestamptz, date_trunc('second', now())),
+           CASE WHEN o.worker IS NULL THEN 'queued' ELSE 'running' END,
+           j.max_attempts, 'manual', j.tenant, j.priority, j.params, j.capped, j.held, now(),
+           CASE WHEN o.worker IS NULL THEN 0 ELSE 1 END, o.worker,
+           clock_timestamp() + make_interval(secs => o.ttl_s),
+           CASE WHEN o.worker IS NOT NULL THEN clock_timestamp() END,
+           CASE WHEN o.worker IS NOT NULL THEN clock_timestamp() END,
+           o.worker IS NOT NULL
+    FROM job j LEFT JOIN offer o ON true
+    ON CONFLICT (job, logical_time) DO NOTHING
+    RETURNING id, job, logical_time, state, trigger, attempt, max_attempts, params,
+              attempt_started_at, lease_owner
+), taken AS (
+    UPDATE pgflow.idle_workers i SET slots = i.slots - 1
+    FROM offer o
+    WHERE i.worker = o.worker AND EXISTS (SELECT 1 FROM inserted WHERE lease_owner IS NOT NULL)
+)
+SELECT r.id, r.job, r.logical_time, r.state, r.trigger,
+       CASE WHEN r.lease_owner IS NULL THEN pg_notify('pgflow_queue', '')
+            ELSE pg_notify('pgflow_handoff_' || o.listen_pid, json_build_object(
+                'seq', o.seq, 'id', r.id, 'job', r.job, 'logical_time', r.logical_time,
+                'attempt', r.attempt, 'max_attempts', r.max_attempts,
+                'params', r.params::text, 'attempt_started_at', r.attempt_started_at,
+                'command', j.command, 'entrypoint', j.entrypoint, 'timeout_s', j.timeout_s,
+                'backoff_s', j.backoff_s, 'max_backoff_s', j.max_backoff_s,
+                'jitter', j.jitter, 'no_retry_exit_codes', j.no_retry_exit_codes,
+                'sources', j.sources)::text) END::text AS woke
+FROM inserted r
+CROSS JOIN job j
+LEFT JOIN offer o ON true
+
 -- name: pending_runs_of_jobs
 -- The pending runs of jobs whose upstream edges just changed (registration).
 SELECT id FROM pgflow.runs WHERE job = ANY(%(jobs)s::text[]) AND state = 'pending' ORDER BY id

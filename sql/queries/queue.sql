@@ -11,7 +11,8 @@ claimed AS (
     UPDATE pgflow.runs r
     SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
         lease_expires_at = now() + make_interval(secs => %(ttl)s),
-        attempt_started_at = now(), started_at = coalesce(r.started_at, now())
+        attempt_started_at = now(), started_at = coalesce(r.started_at, now()),
+        handed_off = false
     -- An array of ids, not a join: a join of the picked few to runs may be planned as a
     -- hash of the whole table, read on every claim.
     WHERE r.id = ANY (ARRAY(SELECT id FROM picked))
@@ -95,6 +96,22 @@ WITH RECURSIVE
     UNION ALL
     (SELECT id FROM ranked WHERE (SELECT shared FROM contest)
      ORDER BY priority DESC, place, available_at, id LIMIT %(limit)s)
+), offered AS (
+    -- A claim that leaves slots free offers them to triggers for offer_s seconds (its
+    -- next idle claim renews the offer); one that fills them withdraws the offer
+    -- (pgflow/handoff.py). No LISTEN session (listen_pid NULL): no offer.
+    INSERT INTO pgflow.idle_workers AS i (worker, seq, slots, ttl_s, listen_pid, until)
+    SELECT %(worker)s, %(seq)s, %(limit)s - p.n, %(ttl)s, %(listen_pid)s,
+           now() + make_interval(secs => %(offer_s)s)
+    FROM (SELECT count(*) AS n FROM picked) p
+    WHERE %(listen_pid)s::int IS NOT NULL AND p.n < %(limit)s
+    ON CONFLICT (worker) DO UPDATE
+    SET seq = excluded.seq, slots = excluded.slots, ttl_s = excluded.ttl_s,
+        listen_pid = excluded.listen_pid, until = excluded.until
+), withdrawn AS (
+    DELETE FROM pgflow.idle_workers
+    WHERE worker = %(worker)s
+      AND (%(listen_pid)s::int IS NULL OR (SELECT count(*) FROM picked) >= %(limit)s)
 ),
 -- include: claim_step
 
@@ -292,6 +309,7 @@ WITH held AS (
         available_at = now(), max_attempts = r.max_attempts + 1,
         lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
     WHERE %(release)s AND r.lease_owner = %(worker)s AND r.state = 'running'
+      AND NOT r.handed_off  -- its notification may still be on its way (handoff.py)
       AND NOT EXISTS (SELECT 1 FROM held h WHERE h.id = r.id AND h.attempt = r.attempt)
     RETURNING r.id, r.attempt, r.state, r.backfill_id
 )
@@ -301,7 +319,37 @@ UNION ALL
 SELECT id, attempt, false, state, backfill_id FROM released
 
 -- name: listen_worker
-LISTEN pgflow_queue; LISTEN pgflow_cancel
+-- The queue's wake-ups, cancels, and the runs triggers hand to this worker, on a channel
+-- named by this session's backend pid; the session holds an advisory lock on its pid
+-- (class "pgho") for as long as it lives, which is how a trigger tells that the channel
+-- is still heard (pgflow/handoff.py).
+LISTEN pgflow_queue; LISTEN pgflow_cancel;
+DO $$ BEGIN
+    EXECUTE format('LISTEN %I', 'pgflow_handoff_' || pg_backend_pid());
+    PERFORM pg_advisory_lock(1885825135, pg_backend_pid());
+END $$
+
+-- name: give_back_handoff
+-- A run handed to this worker that it cannot start (no free slot, draining, its lease
+-- deadline already passed): queued again at once, as renew_leases gives runs back (one
+-- more attempt in the budget, the attempt number kept, no attempt row: it never ran).
+WITH given AS (
+    UPDATE pgflow.runs r
+    SET state = CASE WHEN r.cancel_requested THEN 'cancelled' ELSE 'queued' END,
+        finished_at = CASE WHEN r.cancel_requested THEN now() END,
+        available_at = now(), max_attempts = r.max_attempts + 1, handed_off = false,
+        started_at = NULL, lease_owner = NULL, lease_expires_at = NULL,
+        attempt_started_at = NULL
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS g(id, attempt)
+    WHERE r.id = g.id AND r.attempt = g.attempt AND r.lease_owner = %(worker)s
+      AND r.state = 'running' AND r.handed_off
+    RETURNING r.id, r.state
+)
+SELECT id, state, (SELECT pg_notify('pgflow_queue', ''))::text AS woke FROM given
+
+-- name: withdraw_offer
+-- A worker that stops claiming (drain) takes back its free slots (pgflow/handoff.py).
+DELETE FROM pgflow.idle_workers WHERE worker = %(worker)s
 
 -- name: ping
 -- A worker's listening connection, quiet for a while, checks that it is still alive.

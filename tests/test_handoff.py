@@ -1,0 +1,171 @@
+"""Handoff (pgflow/handoff.py): a trigger hands its run to an idle worker's offer.
+
+Real replicas and a real database: the run is created running under the idle worker's
+lease and starts from the notification; what cannot start at once, what a transaction
+triggers, what goes to a killed, frozen or draining worker, and what a full worker
+receives (given back) all end well, each with the attempts it should have.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+from engine import add_job, attempts, run_row, wait_for
+from procs import Replica, Replicas, scalar, wait_state
+from psycopg.rows import dict_row
+
+from pgflow import breakers, handoff, runs
+
+Conn = psycopg.Connection[dict[str, Any]]
+LOCK_CLASS = 1885825135  # "pgho", held by each LISTEN session on its own pid
+
+
+def offer_of(conn: Conn, replica: Replica, slots: int | None = None) -> dict[str, Any]:
+    """The replica's live offer (waits for one, with ``slots`` free if given)."""
+    worker = replica.id(conn)
+
+    def live() -> dict[str, Any] | None:
+        row = conn.execute("SELECT * FROM pgflow.idle_workers WHERE worker = %s"
+                           " AND until > now()", (worker,)).fetchone()
+        return row if row and (slots is None or row["slots"] == slots) else None
+    return wait_for(live, timeout=20)
+
+
+def test_a_trigger_hands_its_run_to_an_idle_worker(conn: Conn, replicas: Replicas) -> None:
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    worker = replicas.start("w", roles=["worker"], concurrency=4)
+    offer = offer_of(conn, worker, slots=4)
+    run_id = runs.trigger(conn, "quick")
+    row = run_row(conn, run_id)
+    if row["state"] != "succeeded":  # it may already have run: it started from the notification
+        assert row["state"] == "running" and row["handed_off"], row
+        assert row["lease_owner"] == worker.id(conn) and row["attempt"] == 1
+    assert wait_state(conn, run_id, "succeeded", "failed")["state"] == "succeeded"
+    [attempt] = attempts(conn, run_id)
+    assert (attempt["attempt"], attempt["worker_id"], attempt["outcome"]) == (
+        1, worker.id(conn), "succeeded")
+    # The worker's LISTEN session holds the lock that tells triggers it is alive.
+    assert offer["listen_pid"] == scalar(
+        conn, "SELECT objid::int FROM pg_locks WHERE locktype = 'advisory'"
+              " AND classid = %s AND objid = %s", (LOCK_CLASS, offer["listen_pid"]))
+
+
+def test_what_cannot_start_at_once_is_queued_not_handed_off(conn: Conn,
+                                                            replicas: Replicas) -> None:
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    add_job(conn, "capped", entrypoint="jobfuncs:noop", max_active_runs=1)
+    add_job(conn, "sourced", entrypoint="jobfuncs:noop", sources=["crm"])
+    worker = replicas.start("w", roles=["worker"], concurrency=4)
+    offer_of(conn, worker, slots=4)
+    # Inside a transaction: the offer's row would be held until the commit.
+    with conn.transaction():
+        in_transaction = runs.trigger(conn, "quick")
+        assert run_row(conn, in_transaction)["state"] == "queued"
+    capped = runs.trigger(conn, "capped")
+    assert not run_row(conn, capped)["handed_off"]
+    breakers.open_breaker(conn, "crm", "maintenance", "test")
+    held = runs.trigger(conn, "sourced")
+    assert run_row(conn, held)["state"] == "queued"
+    for run_id in (in_transaction, capped):
+        assert wait_state(conn, run_id, "succeeded", "failed")["state"] == "succeeded"
+        assert [a["attempt"] for a in attempts(conn, run_id)] == [1]
+    time.sleep(1.5)
+    assert run_row(conn, held)["state"] == "queued"  # waits for its breaker
+
+
+def test_a_killed_idle_workers_offer_is_not_taken(conn: Conn, replicas: Replicas) -> None:
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    gone = replicas.start("gone", roles=["worker"])
+    offer = offer_of(conn, gone)
+    gone.kill9()
+    # Its offer is still in the table, unexpired, but its LISTEN session ended with it.
+    wait_for(lambda: scalar(conn, "SELECT count(*) = 0 FROM pg_locks WHERE locktype ="
+                                  " 'advisory' AND classid = %s AND objid = %s",
+                            (LOCK_CLASS, offer["listen_pid"])), timeout=10)
+    conn.execute("UPDATE pgflow.idle_workers SET until = now() + interval '1 minute'")
+    run_id = runs.trigger(conn, "quick")
+    row = run_row(conn, run_id)
+    assert (row["state"], row["lease_owner"], row["handed_off"]) == ("queued", None, False)
+    late = replicas.start("late", roles=["worker"])
+    assert wait_state(conn, run_id, "succeeded", "failed")["state"] == "succeeded"
+    assert [(a["attempt"], a["worker_id"]) for a in attempts(conn, run_id)] == [
+        (1, late.id(conn))]
+
+
+def test_a_frozen_workers_offer_lapses(conn: Conn, replicas: Replicas) -> None:
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    frozen = replicas.start("frozen", roles=["worker"])
+    offer_of(conn, frozen)
+    frozen.stop_signal()
+    try:
+        wait_for(lambda: scalar(conn, "SELECT count(*) = 0 FROM pgflow.idle_workers"
+                                      " WHERE until > now()"),
+                 timeout=handoff.OFFER_S + 5)
+        run_id = runs.trigger(conn, "quick")
+        assert run_row(conn, run_id)["state"] == "queued"
+        other = replicas.start("other", roles=["worker"])
+        assert wait_state(conn, run_id, "succeeded", "failed")["state"] == "succeeded"
+        assert [(a["attempt"], a["worker_id"]) for a in attempts(conn, run_id)] == [
+            (1, other.id(conn))]
+    finally:
+        frozen.cont()
+
+
+def test_a_draining_worker_withdraws_its_offer(conn: Conn, replicas: Replicas) -> None:
+    worker = replicas.start("w", roles=["worker"])
+    offer_of(conn, worker)
+    worker.term()
+    assert worker.wait_exit(30) == 0
+    assert scalar(conn, "SELECT count(*) FROM pgflow.idle_workers") == 0
+
+
+def test_a_handoff_to_a_full_worker_is_given_back(conn: Conn, replicas: Replicas) -> None:
+    # A worker's offer can overstate its free slots for a moment (its claim raced a
+    # trigger); forged here: the worker must give the run back, not exceed its slots.
+    add_job(conn, "long", entrypoint="jobfuncs:sleep", params={"seconds": 4})
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    worker = replicas.start("w", roles=["worker"], concurrency=1)
+    offer_of(conn, worker, slots=1)
+    long_run = runs.trigger(conn, "long")
+    assert run_row(conn, long_run)["handed_off"]
+    conn.execute("UPDATE pgflow.idle_workers SET slots = 1, until = now() + interval '1 minute'")
+    quick = runs.trigger(conn, "quick")
+    worker.wait_log("handed-off run given back")
+    assert wait_state(conn, quick, "succeeded", "failed", timeout=30)["state"] == "succeeded"
+    row = run_row(conn, quick)
+    assert (row["attempt"], row["max_attempts"]) == (2, 2)  # the given-back try is refunded
+    assert [(a["attempt"], a["outcome"]) for a in attempts(conn, quick)] == [(2, "succeeded")]
+    # the long run kept its slot: never two attempts at once on a worker of one slot
+    [long_attempt] = attempts(conn, long_run)
+    assert long_attempt["outcome"] == "succeeded"  # its lease, renewed, outlived two TTLs
+    [quick_attempt] = attempts(conn, quick)
+    assert (quick_attempt["started_at"] - long_attempt["started_at"]).total_seconds() >= 4
+
+
+def test_a_full_claim_withdraws_the_offer_and_a_short_one_offers_the_rest(
+        db_url: str, conn: Conn) -> None:
+    import asyncio
+
+    from pgflow import queue
+    from pgflow.queue import Offer
+
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    for second in range(3):
+        runs.trigger(conn, "quick", datetime(2001, 1, 1, 0, 0, second, tzinfo=UTC))
+
+    async def claims() -> list[int | None]:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True,
+                                                         row_factory=dict_row) as aconn:
+            slots = []
+            for limit in (2, 5):
+                await queue.claim(aconn, "w1", limit, 30.0, Offer(limit, 4242))
+                slots.append(scalar(conn, "SELECT slots FROM pgflow.idle_workers"
+                                          " WHERE worker = 'w1'"))
+            await queue.claim(aconn, "w1", 5, 30.0)  # no offer: withdrawn
+            slots.append(scalar(conn, "SELECT count(*) FROM pgflow.idle_workers"))
+            return slots
+    # 2 of 3 claimed: full, no offer; then 1 of 5: 4 offered; then no offer at all.
+    assert asyncio.run(claims()) == [None, 4, 0]
