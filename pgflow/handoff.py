@@ -28,6 +28,17 @@ worker's deadline, as for a claim. A notification that arrives after that deadli
 when the worker has no free slot or is draining, is given back (``give_back_handoff``:
 queued again, the attempt not used up).
 
+Misdirected notifications. A channel is named by a backend pid, and pids are reused:
+after a database restart another worker's new LISTEN session may hold the pid of a
+lapsed offer. The notification names the worker the run was handed to; any other
+worker ignores it (the run's lease then expires, as for a lost notification).
+
+The queue is not consulted. An offer means its worker's claim, at most a second ago,
+left slots free because nothing claimable was left for them; a run queued since wakes
+the same worker, whose next claim takes it into the slots the handoff left. Tenant
+weights and priorities order runs that compete for slots; runs offered free slots do
+not compete.
+
 Lost notifications. A notification is lost only with the LISTEN session it was sent
 to; the run is then owned but never received. The heartbeat's release of such runs
 (``renew_leases``) skips handed-off ones (``runs.handed_off``): a notification still on
@@ -60,12 +71,12 @@ def may_hand_off(conn: psycopg.Connection[Any]) -> bool:
 CHANNEL_PREFIX = "pgflow_handoff_"  # + the LISTEN session's pid, as the SQL spells it
 
 
-def decode(payload: str) -> tuple[int, dict[str, Any]]:
-    """The offer's ``seq`` and the claim row (as ``claim_runs`` returns it) of a handoff
-    notification."""
+def decode(payload: str) -> tuple[str, int, dict[str, Any]]:
+    """The worker the run was handed to, the offer's ``seq`` and the claim row (as
+    ``claim_runs`` returns it) of a handoff notification."""
     row = json.loads(payload)
-    seq = int(row.pop("seq"))
+    worker, seq = str(row.pop("worker")), int(row.pop("seq"))
     for key in _TIMES:
         row[key] = datetime.fromisoformat(row[key])
     row.update(checkpoint=None, trigger_events=None, cancel_requested=False)
-    return seq, row
+    return worker, seq, row

@@ -342,7 +342,15 @@ class Worker:
     def _handed_off(self, payload: str) -> None:
         """A trigger handed us a run (pgflow/handoff.py): start it now, with the deadline
         of the claim whose offer it took, or give it back."""
-        seq, row = handoff.decode(payload)
+        try:
+            worker, seq, row = handoff.decode(payload)
+        except (ValueError, KeyError, TypeError) as exc:  # not sent by pgflow
+            self.log.warning("unreadable handoff notification ignored", error=repr(exc))
+            return
+        if worker != self.id:  # our channel's pid once was another session's (handoff.py)
+            self.log.warning("handoff for another worker ignored", run_id=row["id"],
+                             worker=worker)
+            return
         key: Key = (row["id"], row["attempt"])
         sent = self._offers.get(seq)
         now = time.monotonic()

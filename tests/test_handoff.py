@@ -8,6 +8,7 @@ receives (given back) all end well, each with the attempts it should have.
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -169,3 +170,22 @@ def test_a_full_claim_withdraws_the_offer_and_a_short_one_offers_the_rest(
             return slots
     # 2 of 3 claimed: full, no offer; then 1 of 5: 4 offered; then no offer at all.
     assert asyncio.run(claims()) == [None, 4, 0]
+
+
+def test_a_handoff_for_another_worker_or_unreadable_is_ignored(conn: Conn,
+                                                               replicas: Replicas) -> None:
+    # A channel is named by a pid, which a database restart may give to another worker's
+    # session; anyone may also NOTIFY it. Neither starts anything.
+    add_job(conn, "quick", entrypoint="jobfuncs:noop")
+    worker = replicas.start("w", roles=["worker"])
+    offer = offer_of(conn, worker)
+    channel = f"{handoff.CHANNEL_PREFIX}{offer['listen_pid']}"
+    conn.execute("SELECT pg_notify(%s, %s)", (channel, "not json"))
+    conn.execute("SELECT pg_notify(%s, %s)", (channel, json.dumps(
+        {"worker": "someone-else", "seq": offer["seq"], "id": 1, "attempt": 1,
+         "logical_time": "2026-01-01T00:00:00+00:00",
+         "attempt_started_at": "2026-01-01T00:00:00+00:00"})))
+    worker.wait_log("unreadable handoff notification ignored")
+    worker.wait_log("handoff for another worker ignored")
+    run_id = runs.trigger(conn, "quick")  # and the worker still takes its own
+    assert wait_state(conn, run_id, "succeeded", "failed")["state"] == "succeeded"

@@ -150,7 +150,8 @@ WITH job AS (
 SELECT r.id, r.job, r.logical_time, r.state, r.trigger,
        CASE WHEN r.lease_owner IS NULL THEN pg_notify('pgflow_queue', '')
             ELSE pg_notify('pgflow_handoff_' || o.listen_pid, json_build_object(
-                'seq', o.seq, 'id', r.id, 'job', r.job, 'logical_time', r.logical_time,
+                'worker', o.worker, 'seq', o.seq, 'id', r.id, 'job', r.job,
+                'logical_time', r.logical_time,
                 'attempt', r.attempt, 'max_attempts', r.max_attempts,
                 'params', r.params::text, 'attempt_started_at', r.attempt_started_at,
                 'command', j.command, 'entrypoint', j.entrypoint, 'timeout_s', j.timeout_s,
