@@ -140,6 +140,7 @@ class Offer:
 
     seq: int  # names this claim in the handoffs made from its offer
     listen_pid: int  # the backend pid of the worker's LISTEN session
+    lapse_s: float = handoff.OFFER_S  # how long the offer lasts unless renewed
 
 
 # claim_runs' parameters of the offer, for a claim that makes none (a worker's claims
@@ -153,7 +154,7 @@ async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
     triggers, and without it any earlier offer of ``worker`` is withdrawn."""
     cur = conn.cursor(row_factory=dict_row)
     params = {"worker": worker, "ttl": ttl, "seq": offer and offer.seq,
-              "listen_pid": offer and offer.listen_pid, "offer_s": handoff.OFFER_S}
+              "listen_pid": offer and offer.listen_pid, "offer_s": offer and offer.lapse_s}
     # Binary results: timestamps and arrays of hundreds of rows load faster than text.
     await cur.execute(_claim_sql(limit), params, binary=True)
     return await cur.fetchall()

@@ -337,7 +337,10 @@ class Worker:
         self._offers[self._offer_seq] = sent
         if len(self._offers) > OFFERS_KEPT:
             del self._offers[next(iter(self._offers))]
-        return queue.Offer(self._offer_seq, self._listen_pid)
+        # An offer lapses well within a lease: a handoff made from it reaches us with
+        # time left before its deadline (the offering claim's send time + TTL).
+        return queue.Offer(self._offer_seq, self._listen_pid,
+                           lapse_s=min(handoff.OFFER_S, self.ttl / 2))
 
     def _handed_off(self, payload: str) -> None:
         """A trigger handed us a run (pgflow/handoff.py): start it now, with the deadline
@@ -619,7 +622,8 @@ class Worker:
 
     async def _flush_until_empty(self, deadline: float) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
-        while (self._results or self._flushing.locked()) and time.monotonic() < deadline:
+        while ((self._results or self._give_backs or self._flushing.locked())
+               and time.monotonic() < deadline):
             try:
                 conn = conn or await self._connect()
                 await self._flush_once(conn)
