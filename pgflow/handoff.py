@@ -58,6 +58,7 @@ import psycopg
 from psycopg import pq
 
 OFFER_S = 1.5  # an idle worker renews its offer every second (worker.POLL_S)
+CHANNEL_PREFIX = "pgflow_handoff_"  # + the LISTEN session's pid, as the SQL spells it
 
 _TIMES = ("logical_time", "attempt_started_at")
 
@@ -67,8 +68,6 @@ def may_hand_off(conn: psycopg.Connection[Any]) -> bool:
     transaction open (see the module docstring)."""
     return conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
 
-
-CHANNEL_PREFIX = "pgflow_handoff_"  # + the LISTEN session's pid, as the SQL spells it
 
 
 def decode(payload: str) -> tuple[str, int, dict[str, Any]]:

@@ -87,7 +87,6 @@ HEARTBEAT_FLOOR_S = 0.2  # the shortest pause between two renewals
 LISTEN_PING_S = 5.0
 _SUCCEEDED = retry.Decision(retry.SUCCEEDED)
 MAX_CLAIM = 500
-OFFERS_KEPT = 16  # an offer lapses in handoff.OFFER_S: a few claims' worth
 # The claim session's plans are made again when a claim comes back full (a backlog) and
 # they are REPLAN_S old, and in any case when they are REPLAN_MAX_S old: see
 # Worker._replan_if_stale.
@@ -335,7 +334,7 @@ class Worker:
             return None
         self._offer_seq += 1
         self._offers[self._offer_seq] = sent
-        if len(self._offers) > OFFERS_KEPT:
+        while next(iter(self._offers.values())) < sent - self.ttl:  # its deadline passed
             del self._offers[next(iter(self._offers))]
         # An offer lapses well within a lease: a handoff made from it reaches us with
         # time left before its deadline (the offering claim's send time + TTL).

@@ -284,6 +284,15 @@ WITH room AS (
 ),
 -- include: claim_step
 
+-- fragment: give_back_set
+-- How a run owned by a worker that never started its attempt goes back (renew_leases'
+-- release, give_back_handoff): queued at once (cancelled if a cancel was requested), one
+-- more attempt in the budget, the attempt number kept, no attempt row.
+    SET state = CASE WHEN r.cancel_requested THEN 'cancelled' ELSE 'queued' END,
+        finished_at = CASE WHEN r.cancel_requested THEN now() END,
+        available_at = now(), max_attempts = r.max_attempts + 1,
+        lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
+
 -- name: renew_leases
 -- One heartbeat for the exact (run, attempt) pairs a worker holds (%(ids)s, %(attempts)s):
 -- the pairs that come back (released IS NULL) are still its own, with their cancel flag.
@@ -304,10 +313,7 @@ WITH held AS (
     RETURNING r.id, r.attempt, r.cancel_requested
 ), released AS (
     UPDATE pgflow.runs r
-    SET state = CASE WHEN r.cancel_requested THEN 'cancelled' ELSE 'queued' END,
-        finished_at = CASE WHEN r.cancel_requested THEN now() END,
-        available_at = now(), max_attempts = r.max_attempts + 1,
-        lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
+-- include: give_back_set
     WHERE %(release)s AND r.lease_owner = %(worker)s AND r.state = 'running'
       AND NOT r.handed_off  -- its notification may still be on its way (handoff.py)
       AND NOT EXISTS (SELECT 1 FROM held h WHERE h.id = r.id AND h.attempt = r.attempt)
@@ -331,15 +337,11 @@ END $$
 
 -- name: give_back_handoff
 -- A run handed to this worker that it cannot start (no free slot, draining, its lease
--- deadline already passed): queued again at once, as renew_leases gives runs back (one
--- more attempt in the budget, the attempt number kept, no attempt row: it never ran).
+-- deadline already passed): given back as renew_leases gives back unreceived claims.
 WITH given AS (
     UPDATE pgflow.runs r
-    SET state = CASE WHEN r.cancel_requested THEN 'cancelled' ELSE 'queued' END,
-        finished_at = CASE WHEN r.cancel_requested THEN now() END,
-        available_at = now(), max_attempts = r.max_attempts + 1, handed_off = false,
-        started_at = NULL, lease_owner = NULL, lease_expires_at = NULL,
-        attempt_started_at = NULL
+-- include: give_back_set
+        , handed_off = false, started_at = NULL  -- a handoff is always a run's first start
     FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS g(id, attempt)
     WHERE r.id = g.id AND r.attempt = g.attempt AND r.lease_owner = %(worker)s
       AND r.state = 'running' AND r.handed_off
