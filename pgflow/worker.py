@@ -205,6 +205,10 @@ class Worker:
         tasks = [h.task for h in self.active.values() if h.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=KILL_GRACE_S + 2)
+        # The claim loop withdraws the offer as it ends; a handoff taken before that is
+        # given back by the final flush, which must therefore come after it.
+        if self._loops:
+            await asyncio.wait(self._loops[:1], timeout=self._bound_s)  # the claim loop
         await self._flush_until_empty(deadline=time.monotonic() + 10)
         for loop in self._loops:
             loop.cancel()

@@ -129,12 +129,18 @@ def test_a_handoff_to_a_full_worker_is_given_back(conn: Conn, replicas: Replicas
     add_job(conn, "long", entrypoint="jobfuncs:sleep", params={"seconds": 4})
     add_job(conn, "quick", entrypoint="jobfuncs:noop")
     worker = replicas.start("w", roles=["worker"], concurrency=1)
-    offer_of(conn, worker, slots=1)
-    long_run = runs.trigger(conn, "long")
-    assert run_row(conn, long_run)["handed_off"]
-    conn.execute("UPDATE pgflow.idle_workers SET slots = 1, until = now() + interval '1 minute'")
+    offer = offer_of(conn, worker, slots=1)
+    with conn.transaction():  # queued, not handed off: claimed, it fills the only slot
+        long_run = runs.trigger(conn, "long")
+    wait_for(lambda: run_row(conn, long_run)["state"] == "running", timeout=15)
+    # Its claim withdrew the offer; the forged one names a claim the worker still knows.
+    conn.execute("INSERT INTO pgflow.idle_workers (worker, seq, slots, ttl_s, listen_pid,"
+                 " until) VALUES (%(worker)s, %(seq)s, 1, %(ttl_s)s, %(listen_pid)s,"
+                 " now() + interval '1 minute') ON CONFLICT (worker) DO UPDATE"
+                 " SET seq = EXCLUDED.seq, slots = 1, until = EXCLUDED.until", offer)
     quick = runs.trigger(conn, "quick")
-    worker.wait_log("handed-off run given back")
+    assert run_row(conn, quick)["handed_off"]
+    worker.wait_log("handed-off run given back", where=lambda r: r["run_id"] == quick)
     assert wait_state(conn, quick, "succeeded", "failed", timeout=30)["state"] == "succeeded"
     row = run_row(conn, quick)
     assert (row["attempt"], row["max_attempts"]) == (2, 2)  # the given-back try is refunded
