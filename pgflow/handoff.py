@@ -24,9 +24,10 @@ local deadline for the run is the instant it *sent* the claim that wrote the off
 trigger consumed (named by ``seq`` in the notification) plus its TTL. The trigger saw
 that offer, so it ran after the offer's commit, and its lease starts at its
 ``clock_timestamp()``, later still: the database's expiry is never earlier than the
-worker's deadline, as for a claim. A notification that arrives after that deadline, or
-when the worker has no free slot or is draining, is given back (``give_back_handoff``:
-queued again, the attempt not used up).
+worker's deadline, as for a claim. A notification that arrives while the worker's own
+claim is in flight waits for that claim to return (the slots it fills come first). One
+that arrives after the deadline, or when the worker has no free slot or is draining, is
+given back (``give_back_handoff``: queued again, the attempt not used up).
 
 Misdirected notifications. A channel is named by a backend pid, and pids are reused:
 after a database restart another worker's new LISTEN session may hold the pid of a

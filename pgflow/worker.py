@@ -153,7 +153,8 @@ class Worker:
         self._offers: dict[int, float] = {}
         self._offer_seq = 0
         self._give_backs: list[Key] = []
-        self._reserved = 0  # slots a claim in flight may fill: not for handoffs
+        self._reserved = 0  # slots a claim in flight may fill: handoffs wait for it
+        self._deferred: list[tuple[int, dict[str, Any]]] = []  # handoffs waiting for it
         self._capped_checked = 0.0
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="pgflow-job")
@@ -264,6 +265,7 @@ class Worker:
                         claimed = await self._claim(conn, free)
                     finally:
                         self._reserved = 0
+                        self._take_deferred()
                 await self._replan_if_stale(conn, backlog=claimed >= free)
                 failures = 0
             except psycopg.Error as exc:
@@ -357,10 +359,16 @@ class Worker:
             self.log.warning("handoff for another worker ignored", run_id=row["id"],
                              worker=worker)
             return
+        if self._reserved:  # our claim is in flight: what it fills decides (after it)
+            self._deferred.append((seq, row))
+            return
+        self._take_handoff(seq, row)
+
+    def _take_handoff(self, seq: int, row: dict[str, Any]) -> None:
         key: Key = (row["id"], row["attempt"])
         sent = self._offers.get(seq)
         now = time.monotonic()
-        free = self.free_slots() - self._reserved
+        free = self.free_slots()
         if (sent is None or sent + self.ttl - self._fence_margin_s <= now
                 or not self._claiming or free <= 0 or key in self.active):
             self.log.info("handed-off run given back", run_id=key[0], attempt=key[1],
@@ -371,6 +379,13 @@ class Worker:
         self._start(row, sent + self.ttl)
         if sent + self.ttl - now < self.ttl / 2:
             self._wake_heartbeat.set()  # the offer was old: renew the lease early
+
+    def _take_deferred(self) -> None:
+        """The handoffs that arrived while our claim was in flight, now that its runs
+        have their slots."""
+        deferred, self._deferred = self._deferred, []
+        for seq, row in deferred:
+            self._take_handoff(seq, row)
 
     async def _claim_probes(self, conn: psycopg.AsyncConnection[Any], limit: int) -> int:
         """Half-open breakers' probe runs (one per breaker, cluster-wide; breakers.py),

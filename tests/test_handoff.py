@@ -195,3 +195,38 @@ def test_a_handoff_for_another_worker_or_unreadable_is_ignored(conn: Conn,
     worker.wait_log("handoff for another worker ignored")
     run_id = runs.trigger(conn, "quick")  # and the worker still takes its own
     assert wait_state(conn, run_id, "succeeded", "failed")["state"] == "succeeded"
+
+
+def test_a_handoff_arriving_mid_claim_waits_for_the_claim() -> None:
+    # An idle worker claims every second; a handoff that arrives while that claim is in
+    # flight is decided when it returns: started in a slot the claim left, else given back.
+    import asyncio
+
+    from pgflow.log import get_logger
+    from pgflow.worker import Worker
+
+    def payload(run_id: int) -> str:
+        return json.dumps({"worker": "w", "seq": 1, "id": run_id, "job": "quick",
+                           "logical_time": "2026-01-01T00:00:00+00:00", "attempt": 1,
+                           "max_attempts": 3, "params": "{}",
+                           "attempt_started_at": "2026-01-01T00:00:00+00:00",
+                           "command": None, "entrypoint": "jobfuncs:noop", "timeout_s": None,
+                           "backoff_s": None, "max_backoff_s": None, "jitter": None,
+                           "no_retry_exit_codes": None, "sources": None})
+
+    async def scenario() -> tuple[list[int], list[tuple[int, int]]]:
+        worker = Worker("postgresql:///unused", "w", 1, 30, get_logger(test=True))
+        worker._offers[1] = time.monotonic()
+        worker._reserved = 1  # a claim of one slot is in flight
+        worker._handed_off(payload(7))
+        worker._handed_off(payload(8))
+        assert not worker.active and not worker._give_backs  # neither decided yet
+        worker._reserved = 0  # the claim came back empty: one slot for the first
+        worker._take_deferred()
+        started = [run_id for run_id, _ in worker.active]
+        for held in list(worker.active.values()):
+            assert held.task is not None
+            await held.task
+        return started, list(worker._give_backs)
+
+    assert asyncio.run(scenario()) == ([7], [(8, 1)])
