@@ -70,7 +70,6 @@ def may_hand_off(conn: psycopg.Connection[Any]) -> bool:
     return conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
 
 
-
 def decode(payload: str) -> tuple[str, int, dict[str, Any]]:
     """The worker the run was handed to, the offer's ``seq`` and the claim row (as
     ``claim_runs`` returns it) of a handoff notification."""

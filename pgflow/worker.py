@@ -153,7 +153,7 @@ class Worker:
         self._offers: dict[int, float] = {}
         self._offer_seq = 0
         self._give_backs: list[Key] = []
-        self._reserved = 0  # slots a claim in flight may fill: handoffs wait for it
+        self._claim_in_flight = False  # a claim is in flight: handoffs wait for it
         self._deferred: list[tuple[int, dict[str, Any]]] = []  # handoffs waiting for it
         self._capped_checked = 0.0
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
@@ -260,11 +260,11 @@ class Worker:
                     self._planned_at = time.monotonic()
                 self._wake.clear()
                 async with self._claim_gate:
-                    self._reserved = free
+                    self._claim_in_flight = True
                     try:
                         claimed = await self._claim(conn, free)
                     finally:
-                        self._reserved = 0
+                        self._claim_in_flight = False
                         self._take_deferred()
                 await self._replan_if_stale(conn, backlog=claimed >= free)
                 failures = 0
@@ -359,7 +359,7 @@ class Worker:
             self.log.warning("handoff for another worker ignored", run_id=row["id"],
                              worker=worker)
             return
-        if self._reserved:  # our claim is in flight: what it fills decides (after it)
+        if self._claim_in_flight:  # our claim is in flight: what it fills decides (after it)
             self._deferred.append((seq, row))
             return
         self._take_handoff(seq, row)

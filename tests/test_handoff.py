@@ -217,11 +217,11 @@ def test_a_handoff_arriving_mid_claim_waits_for_the_claim() -> None:
     async def scenario() -> tuple[list[int], list[tuple[int, int]]]:
         worker = Worker("postgresql:///unused", "w", 1, 30, get_logger(test=True))
         worker._offers[1] = time.monotonic()
-        worker._reserved = 1  # a claim of one slot is in flight
+        worker._claim_in_flight = True  # a claim of its one slot is in flight
         worker._handed_off(payload(7))
         worker._handed_off(payload(8))
         assert not worker.active and not worker._give_backs  # neither decided yet
-        worker._reserved = 0  # the claim came back empty: one slot for the first
+        worker._claim_in_flight = False  # the claim came back empty: one slot for the first
         worker._take_deferred()
         started = [run_id for run_id, _ in worker.active]
         for held in list(worker.active.values()):
