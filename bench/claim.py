@@ -35,7 +35,7 @@ CLAIM_INDEX = "runs_claimable_idx"
 def claim_params(sql: str, limit: int) -> dict[str, Any]:
     """Values for the claim query's named parameters (unknown ones get NULL)."""
     known = {"worker": "bench-explain", "limit": limit, "ttl": 30.0}
-    return {name: known.get(name) for name in re.findall(r"%\((\w+)\)s", sql)}
+    return {name: known.get(name) for name in re.findall(r"%\((\w+)\)[sb]", sql)}
 
 
 def _explain_once(conn: Any, limit: int) -> dict[str, Any]:

@@ -175,14 +175,16 @@ def _create(conn: Conn, jobs: list[str], times: list[datetime], *, downstream: b
 # ---------------------------------------------------------------- probes
 
 
-def _finish_batch(running: list[tuple[int, int, str, str]], job: str | None) -> str:
-    """A finish_attempts batch (the worker's own encoding) ending 100 attempts of ``job``."""
+def _finish_batch(running: list[tuple[int, int, str, str]], job: str | None,
+                  output: str | None = None) -> dict[str, Any]:
+    """finish_attempts' parameters (the worker's own encoding) ending 100 attempts of
+    ``job``: plain successes (arrays) without ``output``, JSON with it."""
     picked = [r for r in running if job is None or r[2] == job][:100]
     return queue.finish_params([
         queue.Finish(run_id=rid, attempt=attempt, owner=WORKER, state="succeeded",
                      outcome="succeeded", started_at=datetime.fromisoformat(started),
-                     exit_code=0, stdout_tail="ok")
-        for rid, attempt, _, started in picked])["results"]
+                     exit_code=0, stdout_tail=output)
+        for rid, attempt, _, started in picked])
 
 
 def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, Any]]], str,
@@ -193,7 +195,7 @@ def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, An
     # Everything the worker owns is held: release=True then gives nothing back (the usual
     # case; a release is a claim whose reply was lost).
     held = {"ids": [r[0] for r in running], "attempts": [r[1] for r in running]}
-    ups = _finish_batch(running, "up")
+    ups = _finish_batch(running, "up", output="ok")
     now = None
     return {
         "claim": ([], "claim_runs", {**NO_OFFER, "worker": "probe", "limit": 100, "ttl": 30.0}),
@@ -205,9 +207,9 @@ def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, An
                                        **held}),
         "renew_release": ([], "renew_leases", {"worker": WORKER, "ttl": 30.0,
                                                "release": True, **held}),
-        "finish_batch": ([], "finish_attempts", {"results": _finish_batch(running, "noop")}),
-        "finish_upstreams": ([], "finish_attempts", {"results": ups}),
-        "dependency_hop": ([("finish_attempts", {"results": ups})], "queue_ready_runs",
+        "finish_batch": ([], "finish_attempts", _finish_batch(running, "noop")),
+        "finish_upstreams": ([], "finish_attempts", ups),
+        "dependency_hop": ([("finish_attempts", ups)], "queue_ready_runs",
                            {"ids": live["pending_down"],
                             "finished": [r[0] for r in running if r[2] == "up"]}),
         "reap": ([], "expired_leases", {"limit": 500}),
@@ -234,7 +236,7 @@ def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, An
 
 def _params_for(sql: str, given: dict[str, Any]) -> dict[str, Any]:
     """Only the parameters the statement names (its text may change under us)."""
-    return {name: given.get(name) for name in re.findall(r"%\((\w+)\)s", sql)}
+    return {name: given.get(name) for name in re.findall(r"%\((\w+)\)[sb]", sql)}
 
 
 def explain(conn: Conn, before: list[tuple[str, dict[str, Any]]], name: str,

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 
 from bench import procs, throughput
-from bench.context import Bench, count_runs, enqueue, floats, register, unfinished
+from bench.context import Bench, any_unfinished, count_runs, enqueue, floats, register
 from pgflow import registry
 from pgflow.policies import Policies, SourceSpec, TenantSpec
 from pgflow.queries import q
@@ -59,7 +59,7 @@ def _throughput(b: Bench, n: int, concurrency: int, mode: str) -> dict[str, Any]
         pg0 = procs.children_cpu(postmaster)
         t_launch = time.time()
         with b.replicas(f"policies-{mode}", concurrency=concurrency, count=1) as started:
-            t_seen = procs.wait_until(lambda: unfinished(conn) == 0, timeout=600,
+            t_seen = procs.wait_until(lambda: not any_unfinished(conn), timeout=600,
                                       interval=0.25, alive=started, what="all runs finished")
             worker_cpu = sum(r.cpu_seconds() for r in started)
             peak_rss = max(r.peak_rss_kib() for r in started)

@@ -15,7 +15,14 @@ import time
 from typing import Any
 
 from bench import procs
-from bench.context import Bench, each_configuration, one, register, wait_registered
+from bench.context import (
+    Bench,
+    each_configuration,
+    one,
+    register,
+    wait_all_finished,
+    wait_registered,
+)
 from bench.fanout import SPREAD_SQL, _jobs, _poll_created, tick_in
 
 ROLES = ("scheduler", "worker", "reaper")
@@ -43,9 +50,8 @@ def measure_one(b: Bench, n: int, replicas: int, concurrency: int) -> dict[str, 
         cpu0 = sum(r.cpu_seconds() for r in started)
         pg0 = procs.children_cpu(postmaster)
         visible_at = _poll_created(conn, n, timeout=120)
-        procs.wait_until(lambda: one(conn, "SELECT count(*) AS n FROM pgflow.runs"
-                                           " WHERE state = 'succeeded'")["n"] >= n,
-                         timeout=600, interval=0.05, alive=started, what="seed runs finished")
+        wait_all_finished(conn, n, timeout=600, interval=0.05, alive=started,
+                          what="seed runs finished")
         cpu = sum(r.cpu_seconds() for r in started) - cpu0
         pg_cpu = procs.cpu_delta(postmaster, pg0)
         spread = one(conn, SPREAD_SQL, {"t": tick})

@@ -10,13 +10,13 @@ from typing import Any
 from bench import procs
 from bench.context import (
     Bench,
+    any_unfinished,
     count_runs,
     each_configuration,
     enqueue,
     floats,
     one,
     register,
-    unfinished,
 )
 from bench.stats import decile_rates
 
@@ -53,7 +53,7 @@ def measure_one(b: Bench, n: int, replicas: int, concurrency: int,
         pg0 = procs.children_cpu(postmaster)
         t_launch = time.time()
         with b.replicas(tag, concurrency=concurrency, count=replicas) as started:
-            t_seen = procs.wait_until(lambda: unfinished(conn) == 0, timeout=timeout_s,
+            t_seen = procs.wait_until(lambda: not any_unfinished(conn), timeout=timeout_s,
                                       interval=0.25, alive=started, what="all runs finished")
             worker_cpu = sum(r.cpu_seconds() for r in started)
             peak_rss = max(r.peak_rss_kib() for r in started)

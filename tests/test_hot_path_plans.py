@@ -160,11 +160,11 @@ LISTING = {"job": None, "state": None, "tenant": "default", "trigger": None, "si
            "until": None, "before_id": 2**63 - 1}
 
 
-def _finishes(rows: list[dict[str, Any]]) -> str:
+def _finishes(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return queue.finish_params([
         queue.Finish(run_id=r["id"], attempt=r["attempt"], owner=WORKER, state="succeeded",
                      outcome="succeeded", started_at=r["attempt_started_at"], exit_code=0)
-        for r in rows])["results"]
+        for r in rows])
 
 
 def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set[str]]]:
@@ -188,9 +188,9 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             RUNNING_RANGE),
         # The running runs are few whatever the history: the planner may read them all
         # through runs_owner_idx instead of one primary-key probe per result.
-        "finish batch": ("finish_attempts", {"results": _finishes(noop[:100])},
+        "finish batch": ("finish_attempts", _finishes(noop[:100]),
                          RUNNING_RANGE),
-        "finish upstreams": ("finish_attempts", {"results": _finishes(ups)},
+        "finish upstreams": ("finish_attempts", _finishes(ups),
                              {"runs_job_logical_time_key"}),
         "dependency hop": ("queue_ready_runs", {"ids": live["pending_down"],
                                                 "finished": [r["id"] for r in ups]},
@@ -263,7 +263,7 @@ def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def _params(query: str, given: dict[str, Any]) -> dict[str, Any]:
-    names = set(re.findall(r"%\((\w+)\)s", query))
+    names = set(re.findall(r"%\((\w+)\)[sb]", query))
     missing = names - set(given)
     assert not missing, f"statement takes parameters this test does not know: {missing}"
     return {name: given[name] for name in names}

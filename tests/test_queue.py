@@ -5,6 +5,7 @@ the way workers and the reaper call them: cancels that race an ending, renewals 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
@@ -225,24 +226,37 @@ def test_a_finish_reads_no_job_rows_when_no_job_produces_a_dataset(conn: Conn) -
     assert "jobs_producing_idx" in {n.get("Index Name") for n in found}
 
 
-@pytest.mark.parametrize("finish", [
-    Finish(run_id=7, attempt=2, owner='replica "a"\\w', state="succeeded", outcome="succeeded",
-           started_at=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)),
-    Finish(run_id=7, attempt=1, owner="w", state="succeeded", outcome="succeeded",
-           started_at=datetime(2026, 1, 2, tzinfo=UTC), exit_code=0),
-    Finish(run_id=7, attempt=1, owner="w", state="succeeded", outcome="succeeded",
-           started_at=datetime(2026, 1, 2, tzinfo=UTC), exit_code=0, stdout_tail="ok\x00"),
-    Finish(run_id=7, attempt=1, owner="w", state="retrying", outcome="failed",
-           started_at=None, delay_s=1.5, exit_code=3, error="boom"),
-    Finish(run_id=7, attempt=1, owner="w", state="retrying", outcome="failed",
-           started_at=datetime(2026, 1, 2, tzinfo=UTC), refund=True),
+@pytest.mark.parametrize("shape", [
+    {},  # an entrypoint's plain success
+    {"exit_code": 0},  # a command's
+    {"exit_code": 0, "stdout_tail": "ok\x00"},
+    {"state": "retrying", "outcome": "failed", "delay_s": 1.5, "exit_code": 3, "error": "boom"},
+    {"state": "retrying", "outcome": "failed", "refund": True},
 ])
-def test_a_finish_batch_is_the_same_document_on_the_fast_path_and_off_it(
-        finish: Finish) -> None:
-    import json
+def test_a_result_ends_its_attempt_alike_sent_in_arrays_or_as_json(
+        conn: Conn, db_url: str, shape: dict[str, Any]) -> None:
+    """finish_params sends plain successes as arrays and the rest as JSON: either way
+    the run and its attempt row come out the same."""
+    add_job(conn, "alike", entrypoint="jobfuncs:noop")
+    for i in range(4):
+        enqueue(conn, "alike", at=T0 + timedelta(seconds=i))
+    rows = sorted(claim(conn, 'replica "a"\\w'), key=lambda r: r["id"])
+    finishes = [dataclasses.replace(ending(row, "succeeded", "succeeded", 'replica "a"\\w'),
+                                    **shape) for row in rows]
+    by_arrays = queue.finish_params(finishes[:2])
+    assert len(by_arrays["ok_ids"]) == (0 if shape.keys() - {"exit_code"} else 2)
+    for params in (by_arrays, queue.finish_params(finishes[2:], arrays=False)):
+        assert len(conn.execute(q("finish_attempts"), params).fetchall()) == 2
 
-    batch = json.loads(queue.finish_params([finish, finish])["results"])
-    assert batch == [queue._result(finish)] * 2
+    def ended(run_id: int) -> tuple[Any, ...]:
+        run = run_row(conn, run_id)
+        [attempt] = attempts(conn, run_id)
+        return (run["state"], run["finished_at"] is not None, run["max_attempts"],
+                run["held"], *(v for k, v in attempt.items() if k not in ("run_id", "finished_at")))
+
+    first = ended(rows[0]["id"])
+    assert first[-5] == shape.get("outcome", "succeeded")
+    assert [ended(row["id"]) for row in rows[1:]] == [first] * 3
 
 
 def test_a_claim_plan_made_on_an_empty_queue_is_replaced_after_a_replan(db_url: str) -> None:

@@ -366,7 +366,11 @@ SELECT 1
 -- of the same transaction: its fresh snapshot sees an upstream that another
 -- transaction finished while we waited for the lock, so two upstreams finishing at
 -- once queue their downstream exactly once.
--- The batch comes as one JSON array of objects (cheaper to build than eleven arrays).
+-- The batch comes in two parts (pgflow/queue.py, finish_params): the plain successes of
+-- one owner (no output, no error: most results) as binary arrays of their ids, attempts,
+-- start times and exit codes, and every other result as one JSON array of objects
+-- (cheaper to build than eleven arrays). Arrays cost a tenth of JSON to read here and a
+-- fifth to build in the worker (about 4 and 3.5 µs a result less, issue 16).
 -- A cancel requested while the attempt ran wins over every ending but success: the run
 -- becomes cancelled, not retrying, queued (interrupted) or failed, whatever the worker
 -- decided without knowing. A succeeded attempt stays succeeded: its work is done and
@@ -377,6 +381,12 @@ WITH result AS (
         AS t(id bigint, attempt int, owner text, state text, delay_s float8, outcome text,
              started_at timestamptz, exit_code int, error text, stdout_tail text,
              stderr_tail text, refund boolean)
+    UNION ALL
+    SELECT s.id, s.attempt, %(ok_owner)s::text, 'succeeded', 0::float8, 'succeeded',
+           s.started_at, s.exit_code, NULL, NULL, NULL, false
+    FROM unnest(%(ok_ids)b::bigint[], %(ok_attempts)b::int[],
+                %(ok_started)b::timestamptz[], %(ok_exit_codes)b::int[])
+        AS s(id, attempt, started_at, exit_code)
 ), finished AS (
     UPDATE pgflow.runs r
     SET state = CASE WHEN r.cancel_requested AND res.state <> 'succeeded' THEN 'cancelled'
@@ -393,10 +403,16 @@ WITH result AS (
         held = r.held OR res.refund,
         lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL
     FROM result res
-    -- IS NOT DISTINCT FROM (not indexable) keeps the planner on the primary key: with an
-    -- indexable owner test it walked runs_owner_idx once per result row.
-    WHERE r.id = res.id AND r.attempt IS NOT DISTINCT FROM res.attempt
-      AND r.lease_owner IS NOT DISTINCT FROM res.owner AND r.state = 'running'
+    -- The rows are found by primary key, one probe per result, whatever the statistics:
+    -- the array of ids (as in claim_step) keeps a plan made on a table never analyzed off
+    -- a sequential scan of runs, and the tests IS NOT DISTINCT FROM (not indexable) keep
+    -- it off the other indexes. With an indexable owner test it walked runs_owner_idx once
+    -- per result row; with an indexable state test it read the whole 'running' range of
+    -- runs_state_idx per batch, with the entries left by every run claimed since the last
+    -- vacuum (3 million index entries read for 20,000 runs at concurrency 64).
+    WHERE r.id = ANY (ARRAY(SELECT id FROM result)) AND r.id = res.id
+      AND r.attempt IS NOT DISTINCT FROM res.attempt
+      AND r.lease_owner IS NOT DISTINCT FROM res.owner AND r.state IS NOT DISTINCT FROM 'running'
     RETURNING r.id, r.state, r.job, r.logical_time, r.backfill_id
 ), recorded AS (
     INSERT INTO pgflow.attempts (run_id, attempt, worker_id, started_at, finished_at, outcome,
