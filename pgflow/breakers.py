@@ -38,6 +38,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from pgflow.claimed import Claimed, claimed_rows
 from pgflow.errors import Conflict, InvalidInput, NotFound
 from pgflow.queries import q
 from pgflow.spec import NAME_RE
@@ -247,11 +248,11 @@ async def probe_wanted(conn: Async) -> bool:
 
 
 async def claim_probes(conn: Async, worker: str, limit: int, ttl: float
-                       ) -> list[dict[str, Any]]:
+                       ) -> list[Claimed]:
     """Move due breakers to half_open and claim their probe runs (one per breaker,
     cluster-wide)."""
     async with conn.transaction():
         await half_open_due(conn)
-    cur = conn.cursor(row_factory=dict_row)
+    cur = conn.cursor(row_factory=claimed_rows)
     await cur.execute(q("claim_probe"), {"worker": worker, "limit": limit, "ttl": ttl})
     return await cur.fetchall()

@@ -58,6 +58,8 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
+from pgflow.claimed import Claimed
+
 OFFER_S = 1.5  # an idle worker renews its offer every second (worker.POLL_S)
 CHANNEL_PREFIX = "pgflow_handoff_"  # + the LISTEN session's pid, as the SQL spells it
 
@@ -70,7 +72,7 @@ def may_hand_off(conn: psycopg.Connection[Any]) -> bool:
     return conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE
 
 
-def decode(payload: str) -> tuple[str, int, dict[str, Any]]:
+def decode(payload: str) -> tuple[str, int, Claimed]:
     """The worker the run was handed to, the offer's ``seq`` and the claim row (as
     ``claim_runs`` returns it) of a handoff notification."""
     row = json.loads(payload)
@@ -78,4 +80,4 @@ def decode(payload: str) -> tuple[str, int, dict[str, Any]]:
     for key in _TIMES:
         row[key] = datetime.fromisoformat(row[key])
     row.update(checkpoint=None, trigger_events=None, cancel_requested=False)
-    return worker, seq, row
+    return worker, seq, Claimed(**row)

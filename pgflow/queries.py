@@ -56,7 +56,38 @@ def _all() -> dict[str, str]:
                 for name in new.keys() & into.keys():
                     raise ValueError(f"{kind} {name!r} is defined twice ({entry.name})")
                 into.update(new)
-    return {name: expand(body, fragments) for name, body in statements.items()}
+    return {name: compact(expand(body, fragments)) for name, body in statements.items()}
+
+
+def compact(body: str) -> str:
+    """``body`` as sent: its first line (a comment that names the statement in
+    pg_stat_activity and pg_stat_statements), then its code without comments, blank lines
+    or indentation. psycopg parses a statement's placeholders again on every execute once
+    its text passes 4 KiB (``CACHED_TEXT_MAX``), and the commented claim and finish
+    statements were 6 and 7 KiB: 0.2 ms of the worker's CPU per claim and per finish.
+    Inside a string literal (an odd number of quotes before) nothing is taken out."""
+    lines = body.splitlines()
+    kept = lines[:1]
+    quotes = lines[0].count("'") if lines else 0
+    for line in lines[1:]:
+        literal = quotes % 2 == 1
+        code = _without_comment(line, quotes).rstrip()
+        if code.strip():
+            kept.append(code if literal else code.lstrip())
+        quotes += code.count("'")
+    return "\n".join(kept)
+
+
+CACHED_TEXT_MAX = 4096  # psycopg's MAX_CACHED_STATEMENT_LENGTH (psycopg/_queries.py)
+
+
+def _without_comment(line: str, quotes: int) -> str:
+    start = 0
+    while (at := line.find("--", start)) >= 0:
+        if (quotes + line.count("'", 0, at)) % 2 == 0:
+            return line[:at]
+        start = at + 2
+    return line
 
 
 def q(name: str) -> str:

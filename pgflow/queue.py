@@ -18,6 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import backfill, breakers, deps, handoff
+from pgflow.claimed import Claimed, claimed_rows
 from pgflow.queries import q
 
 
@@ -154,10 +155,10 @@ NO_OFFER: dict[str, Any] = {"seq": None, "listen_pid": None, "offer_s": None}
 
 
 async def claim(conn: psycopg.AsyncConnection[Any], worker: str, limit: int,
-                ttl: float, offer: Offer | None = None) -> list[dict[str, Any]]:
+                ttl: float, offer: Offer | None = None) -> list[Claimed]:
     """Claim up to ``limit`` runs; with ``offer``, slots left free are offered to
     triggers, and without it any earlier offer of ``worker`` is withdrawn."""
-    cur = conn.cursor(row_factory=dict_row)
+    cur = conn.cursor(row_factory=claimed_rows)
     params = {"worker": worker, "ttl": ttl, "seq": offer and offer.seq,
               "listen_pid": offer and offer.listen_pid, "offer_s": offer and offer.lapse_s}
     # Binary results: timestamps and arrays of hundreds of rows load faster than text.
@@ -221,14 +222,14 @@ async def capped_waiting(conn: psycopg.AsyncConnection[Any]) -> CappedWaiting:
 
 async def claim_capped(conn: psycopg.AsyncConnection[Any], worker: str, jobs: list[str],
                        limit: int, ttl: float,
-                       min_priority: int | None = None) -> list[dict[str, Any]]:
+                       min_priority: int | None = None) -> list[Claimed]:
     """Claim runs of ``jobs`` (jobs with a max_active_runs cap), never exceeding a cap
     cluster-wide; with ``min_priority``, only runs of at least that priority."""
     if not jobs or limit <= 0:
         return []
-    cur = conn.cursor(row_factory=dict_row)
+    cur = conn.cursor(row_factory=claimed_rows)
     async with conn.transaction():
-        await cur.execute(q("lock_capped_jobs"), {"jobs": jobs})
+        await conn.execute(q("lock_capped_jobs"), {"jobs": jobs})
         await cur.execute(q("claim_capped_runs"),
                           {"jobs": jobs, "worker": worker, "limit": limit, "ttl": ttl,
                            "min_priority": min_priority})

@@ -75,6 +75,7 @@ from typing import Any
 import psycopg
 
 from pgflow import breakers, handoff, live, queue, retry
+from pgflow.claimed import Claimed
 from pgflow.db import StatementTimeout, bounded, connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.log import LazyLogger
@@ -104,7 +105,7 @@ Key = tuple[int, int]  # (run id, attempt): what a lease is on
 class Held:
     """One attempt this worker executes under its lease."""
 
-    row: dict[str, Any]
+    row: Claimed
     execution: Execution
     deadline: float  # time.monotonic() by which the lease could have expired
     replaces: Held | None = None  # an older attempt of the run, stopped before this starts
@@ -113,7 +114,7 @@ class Held:
 
     @property
     def key(self) -> Key:
-        return (self.row["id"], self.row["attempt"])
+        return (self.row.id, self.row.attempt)
 
 
 class Worker:
@@ -154,7 +155,7 @@ class Worker:
         self._offer_seq = 0
         self._give_backs: list[Key] = []
         self._claim_in_flight = False  # a claim is in flight: handoffs wait for it
-        self._deferred: list[tuple[int, dict[str, Any]]] = []  # handoffs waiting for it
+        self._deferred: list[tuple[int, Claimed]] = []  # handoffs waiting for it
         self._capped_checked = 0.0
         self._threads = ThreadPoolExecutor(max_workers=concurrency,
                                            thread_name_prefix="pgflow-job")
@@ -356,7 +357,7 @@ class Worker:
             self.log.warning("unreadable handoff notification ignored", error=repr(exc))
             return
         if worker != self.id:  # our channel's pid once was another session's (handoff.py)
-            self.log.warning("handoff for another worker ignored", run_id=row["id"],
+            self.log.warning("handoff for another worker ignored", run_id=row.id,
                              worker=worker)
             return
         if self._claim_in_flight:  # our claim is in flight: what it fills decides (after it)
@@ -364,8 +365,8 @@ class Worker:
             return
         self._take_handoff(seq, row)
 
-    def _take_handoff(self, seq: int, row: dict[str, Any]) -> None:
-        key: Key = (row["id"], row["attempt"])
+    def _take_handoff(self, seq: int, row: Claimed) -> None:
+        key: Key = (row.id, row.attempt)
         sent = self._offers.get(seq)
         now = time.monotonic()
         free = self.free_slots()
@@ -396,8 +397,8 @@ class Worker:
         rows = await bounded(conn, breakers.claim_probes(conn, self.id, limit, self.ttl),
                              self._bound_s, "claim")
         for row in rows:
-            self.log.info("probe run claimed for a half-open breaker", run_id=row["id"],
-                          job=row["job"])
+            self.log.info("probe run claimed for a half-open breaker", run_id=row.id,
+                          job=row.job)
         return self._start_all(rows, sent)
 
     async def _look_capped(self, conn: psycopg.AsyncConnection[Any]) -> queue.CappedWaiting:
@@ -423,31 +424,30 @@ class Worker:
             return True
         return False
 
-    def _start_all(self, rows: list[dict[str, Any]], sent: float) -> int:
+    def _start_all(self, rows: list[Claimed], sent: float) -> int:
         for row in rows:
             self._start(row, sent + self.ttl)
         return len(rows)
 
-    def _start(self, row: dict[str, Any], deadline: float) -> None:
-        if row["cancel_requested"]:
+    def _start(self, row: Claimed, deadline: float) -> None:
+        if row.cancel_requested:
             # Cancelled before it began: nothing is started, the run ends cancelled.
-            self._record(Finish(run_id=row["id"], attempt=row["attempt"], owner=self.id,
+            self._record(Finish(run_id=row.id, attempt=row.attempt, owner=self.id,
                                 state=retry.CANCELLED, outcome=retry.CANCELLED,
-                                started_at=row["attempt_started_at"],
+                                started_at=row.attempt_started_at,
                                 error="cancel requested before the attempt started"))
             return
-        job = Job(run_id=row["id"], job=row["job"], logical_time=row["logical_time"],
-                  attempt=row["attempt"], params=row["params"], command=row["command"],
-                  entrypoint=row["entrypoint"], timeout_s=row["timeout_s"],
-                  checkpoint=row.get("checkpoint"),
-                  trigger_events=row.get("trigger_events"))
+        job = Job(run_id=row.id, job=row.job, logical_time=row.logical_time,
+                  attempt=row.attempt, params=row.params, command=row.command,
+                  entrypoint=row.entrypoint, timeout_s=row.timeout_s,
+                  checkpoint=row.checkpoint, trigger_events=row.trigger_events)
         log = LazyLogger(self.log, run_id=job.run_id, job=job.job, attempt=job.attempt)
         execution = Execution(job, log, self._threads, deadline=deadline,
                               log_limit=self.log_limit)
         held = Held(row, execution, deadline, replaces=self._newest.get(job.run_id))
         if held.replaces is not None:
             log.warning("run claimed again while its older attempt still runs here:"
-                        " stopping that one first", older_attempt=held.replaces.row["attempt"])
+                        " stopping that one first", older_attempt=held.replaces.row.attempt)
             held.replaces.execution.stop(retry.LOST)
         self.active[held.key] = held
         self._newest[job.run_id] = held
@@ -509,25 +509,25 @@ class Worker:
         self._abandoned -= 1
         self._wake.set()
 
-    def _finish_for(self, row: dict[str, Any], result: AttemptResult) -> Finish:
+    def _finish_for(self, row: Claimed, result: AttemptResult) -> Finish:
         if result.outcome == retry.SUCCEEDED:  # the common case, kept cheap
             decision = _SUCCEEDED
         else:
             policy = None
-            if row["backoff_s"] is not None:
-                policy = retry.Policy(row["max_attempts"], row["backoff_s"],
-                                      row["max_backoff_s"], row["jitter"],
-                                      row["no_retry_exit_codes"])
-            decision = retry.decide(result.outcome, row["attempt"], row["max_attempts"], policy,
+            if (row.backoff_s is not None and row.max_backoff_s is not None
+                    and row.jitter is not None and row.no_retry_exit_codes is not None):
+                policy = retry.Policy(row.max_attempts, row.backoff_s, row.max_backoff_s,
+                                      row.jitter, row.no_retry_exit_codes)
+            decision = retry.decide(result.outcome, row.attempt, row.max_attempts, policy,
                                     exit_code=result.exit_code, permanent=result.permanent)
-        sources = tuple(row.get("sources") or ())
+        sources = tuple(row.sources or ())
         unavailable: tuple[str, ...] = ()
         if result.outcome == retry.FAILED and result.exit_code == retry.EX_TEMPFAIL:
             # SourceUnavailable("x") names one source; exit 75 means every source of the job
             unavailable = (result.unavailable_source,) if result.unavailable_source else sources
-        return Finish(run_id=row["id"], attempt=row["attempt"], owner=self.id,
+        return Finish(run_id=row.id, attempt=row.attempt, owner=self.id,
                       state=decision.state, outcome=result.outcome,
-                      started_at=row["attempt_started_at"], delay_s=decision.delay_s,
+                      started_at=row.attempt_started_at, delay_s=decision.delay_s,
                       exit_code=result.exit_code, error=result.error,
                       stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
                       sources=sources, unavailable=unavailable)

@@ -188,9 +188,12 @@ def test_a_handoff_for_another_worker_or_unreadable_is_ignored(conn: Conn,
     channel = f"{handoff.CHANNEL_PREFIX}{offer['listen_pid']}"
     conn.execute("SELECT pg_notify(%s, %s)", (channel, "not json"))
     conn.execute("SELECT pg_notify(%s, %s)", (channel, json.dumps(
-        {"worker": "someone-else", "seq": offer["seq"], "id": 1, "attempt": 1,
-         "logical_time": "2026-01-01T00:00:00+00:00",
-         "attempt_started_at": "2026-01-01T00:00:00+00:00"})))
+        {"worker": "someone-else", "seq": offer["seq"], "id": 1, "job": "quick",
+         "logical_time": "2026-01-01T00:00:00+00:00", "attempt": 1, "max_attempts": 3,
+         "params": "{}", "attempt_started_at": "2026-01-01T00:00:00+00:00",
+         "command": None, "entrypoint": "jobfuncs:noop", "timeout_s": None,
+         "backoff_s": 30, "max_backoff_s": 3600, "jitter": True, "no_retry_exit_codes": [],
+         "sources": []})))
     worker.wait_log("unreadable handoff notification ignored")
     worker.wait_log("handoff for another worker ignored")
     run_id = runs.trigger(conn, "quick")  # and the worker still takes its own

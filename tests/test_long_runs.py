@@ -253,7 +253,9 @@ def test_checkpoints_survive_kill9_and_the_retry_resumes_from_them(
               ' exit 0; fi; echo \'{"checkpoint": {"batch": 7}, "progress": 0.7}\''
               ' > "$PGFLOW_CONTROL"; exec sleep 60')
     add_job(conn, "sh-resume", command=sh(script), retry=FAST_RETRY)
-    first = replicas.start("a")
+    # Leases of 5 s, not 2: the attempts counted are the kill's, not a renewal that a
+    # loaded machine (the whole suite at once) delayed past a 2 s lease.
+    first = replicas.start("a", lease_ttl=5.0)
     first.id(conn)
     py_run = trigger(db_url, tmp_path, "py-resume")
     sh_run = trigger(db_url, tmp_path, "sh-resume")
@@ -266,7 +268,7 @@ def test_checkpoints_survive_kill9_and_the_retry_resumes_from_them(
     wait_for(lambda: checkpoint(sh_run) == {"batch": 7}, timeout=20)
     assert run_state(conn, py_run)["state"] == run_state(conn, sh_run)["state"] == "running"
     first.kill9()
-    replicas.start("b").id(conn)
+    replicas.start("b", lease_ttl=5.0).id(conn)
     py_done = wait_state(conn, py_run, "succeeded", "failed", timeout=30)
     sh_done = wait_state(conn, sh_run, "succeeded", "failed", timeout=30)
     assert (py_done["state"], py_done["attempt"]) == ("succeeded", 2)

@@ -1,6 +1,6 @@
 import pytest
 
-from pgflow.queries import expand, q, split
+from pgflow.queries import CACHED_TEXT_MAX, _all, compact, expand, q, split
 
 TEXT = """
 -- fragment: tail
@@ -32,3 +32,20 @@ def test_every_claim_ends_with_the_one_claim_step() -> None:
         text = q(name)
         assert "-- include:" not in text
         assert text.count("claimed AS (") == 1 and text.rstrip().endswith("j.name = c.job")
+
+
+def test_a_statement_is_sent_without_comments_but_its_first_line() -> None:
+    text = compact("-- Names it\n  SELECT '--kept' AS a,  -- gone\n\n  -- gone too\n"
+                   "  'a\n  -- inside a literal\n' AS b -- gone\n  FROM t")
+    assert text == ("-- Names it\nSELECT '--kept' AS a,\n'a\n  -- inside a literal\n'"
+                    " AS b\nFROM t")
+
+
+def test_every_statement_fits_psycopgs_cache_of_parsed_texts() -> None:
+    # Longer texts have their placeholders parsed again on every execute (0.2 ms a
+    # claim): the hot statements must stay under it.
+    import psycopg._queries
+
+    assert CACHED_TEXT_MAX == psycopg._queries.MAX_CACHED_STATEMENT_LENGTH
+    too_long = {name: len(text) for name, text in _all().items() if len(text) > CACHED_TEXT_MAX}
+    assert not too_long

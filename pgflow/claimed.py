@@ -1,0 +1,48 @@
+"""The row a claim returns for each run it started (``claim_step`` in
+sql/queries/queue.sql): what the worker needs to run the attempt and to decide how it
+ends. Claims return up to 500 of them at a time, on the hot path of every run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from functools import partial
+from typing import Any, NamedTuple
+
+
+class Claimed(NamedTuple):
+    """A run a claim started, as ``claim_step`` returns it (these columns, in this order).
+    Made from the row in C (``claimed_rows``): a dict per run cost the worker about as
+    much as loading the row did. Read by name, ``run.job``; ``run["job"]`` works too."""
+
+    id: int
+    job: str
+    logical_time: datetime
+    attempt: int
+    max_attempts: int
+    params: str  # JSON text
+    attempt_started_at: datetime
+    checkpoint: str | None
+    trigger_events: str | None
+    cancel_requested: bool
+    # the job's definition: all None when the job was deleted since (a LEFT JOIN)
+    command: str | None
+    entrypoint: str | None
+    timeout_s: float | None
+    backoff_s: float | None
+    max_backoff_s: float | None
+    jitter: bool | None
+    no_retry_exit_codes: list[int] | None
+    sources: list[str] | None
+
+    def __getitem__(self, key: Any) -> Any:
+        return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
+
+
+def claimed_rows(cursor: Any) -> Callable[[Sequence[Any]], Claimed]:
+    """psycopg row factory of the claim statements: one ``Claimed`` per row, built by
+    ``tuple.__new__`` (no Python call per row)."""
+    names = tuple(column.name for column in cursor.description or ())
+    if names and names != Claimed._fields:
+        raise RuntimeError(f"claim columns {names} are not Claimed's {Claimed._fields}")
+    return partial(tuple.__new__, Claimed)
