@@ -56,7 +56,7 @@ def _all() -> dict[str, str]:
                 for name in new.keys() & into.keys():
                     raise ValueError(f"{kind} {name!r} is defined twice ({entry.name})")
                 into.update(new)
-    return {name: compact(expand(body, fragments)) for name, body in statements.items()}
+    return {name: expand(body, fragments) for name, body in statements.items()}
 
 
 def compact(body: str) -> str:
@@ -70,9 +70,14 @@ def compact(body: str) -> str:
     kept = lines[:1]
     quotes = lines[0].count("'") if lines else 0
     for line in lines[1:]:
-        literal = quotes % 2 == 1
+        if quotes % 2 == 0 and "'" not in line:  # most lines: loaded by every command
+            code = line.partition("--")[0].strip()
+            if code:
+                kept.append(code)
+            continue
+        literal = quotes % 2 == 1  # the line starts inside a literal: kept whole
         code = _without_comment(line, quotes).rstrip()
-        if code.strip():
+        if literal or code.strip():
             kept.append(code if literal else code.lstrip())
         quotes += code.count("'")
     return "\n".join(kept)
@@ -90,6 +95,8 @@ def _without_comment(line: str, quotes: int) -> str:
     return line
 
 
+@cache
 def q(name: str) -> str:
-    """The SQL text of the named query."""
-    return _all()[name]
+    """The SQL text of the named query, as sent (``compact``: made when first asked for,
+    so a command pays for the few statements it runs)."""
+    return compact(_all()[name])

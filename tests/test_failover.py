@@ -416,7 +416,9 @@ def test_replicas_survive_a_primary_crash_and_a_frozen_primary(
                            lease_ttl=LEASE_TTL_S, env={"PGFLOW_BIND": f"127.0.0.1:{web_port}"})
         replicas.start("b", lease_ttl=LEASE_TTL_S)
         wait("ticks running", lambda: len(executions(ticks)) >= 5, 60)
-        assert web_ready(web_port)
+        # replica a plays the web role too: it may still be starting when b (worker
+        # roles only) has run its first ticks
+        wait("web role ready", lambda: web_ready(web_port) or None, 30)
 
         # 1. The primary's postmaster dies.
         term = wait("a leader", lambda: leader_term(url), 30)
