@@ -100,10 +100,6 @@ def count_runs(conn: Conn, states: Sequence[str], job: str | None = None) -> int
 UNFINISHED = ("pending", "queued", "running", "retrying")
 
 
-def unfinished(conn: Conn) -> int:
-    return count_runs(conn, UNFINISHED)
-
-
 def any_unfinished(conn: Conn) -> bool:
     """Whether a run is still to finish: what the figures poll for, a probe of
     runs_state_idx that stops at the first such run. (A count of the unfinished runs every

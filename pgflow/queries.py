@@ -59,6 +59,9 @@ def _all() -> dict[str, str]:
     return {name: expand(body, fragments) for name, body in statements.items()}
 
 
+CACHED_TEXT_MAX = 4096  # psycopg's MAX_CACHED_STATEMENT_LENGTH (psycopg/_queries.py)
+
+
 def compact(body: str) -> str:
     """``body`` as sent: its first line (a comment that names the statement in
     pg_stat_activity and pg_stat_statements), then its code without comments, blank lines
@@ -81,9 +84,6 @@ def compact(body: str) -> str:
             kept.append(code if literal else code.lstrip())
         quotes += code.count("'")
     return "\n".join(kept)
-
-
-CACHED_TEXT_MAX = 4096  # psycopg's MAX_CACHED_STATEMENT_LENGTH (psycopg/_queries.py)
 
 
 def _without_comment(line: str, quotes: int) -> str:

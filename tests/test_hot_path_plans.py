@@ -186,8 +186,8 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             "worker": WORKER, "ttl": 30.0, "release": True,
             "ids": [r["id"] for r in running], "attempts": [r["attempt"] for r in running]},
             RUNNING_RANGE),
-        # The running runs are few whatever the history: the planner may read them all
-        # through runs_owner_idx instead of one primary-key probe per result.
+        # One primary-key probe per result (the array of ids in finish_attempts); reading
+        # the few running runs through runs_owner_idx would do too.
         "finish batch": ("finish_attempts", _finishes(noop[:100]),
                          RUNNING_RANGE),
         "finish upstreams": ("finish_attempts", _finishes(ups),
