@@ -75,7 +75,8 @@ def serve(options: ServeOptions) -> None:
         sys.path.insert(0, os.getcwd())
     options = hide_secrets(options)
     freeze_startup_heap()
-    failure = asyncio.run(_serve(options))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        failure = runner.run(_serve(options))
     if any(t.name.startswith("pgflow-job") and t.is_alive() for t in threading.enumerate()):
         # A sync job that ignores ctx.cancelled would hold the exit (the interpreter joins
         # pool threads at exit); its run is already back in the queue, so leave now.
@@ -86,6 +87,20 @@ def serve(options: ServeOptions) -> None:
         os._exit(1 if failure else 0)
     if failure:
         raise PgflowError(failure)
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it installs (Linux, macOS), the standard one elsewhere
+    (None). A replica's hot path is event-loop work: a task, a few callbacks and socket
+    reads per run; uvloop does them in C (about 3 µs of a no-op run's 14 µs of Python
+    bookkeeping, issue 16). Nothing in pgflow depends on which loop runs: commands are
+    ``subprocess.Popen`` children watched through ``add_reader``, signals go through
+    ``add_signal_handler``, both alike on either loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def freeze_startup_heap() -> None:
