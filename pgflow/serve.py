@@ -74,8 +74,9 @@ def serve(options: ServeOptions) -> None:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     options = hide_secrets(options)
+    loop_factory = event_loop_factory()  # imported before the startup heap is frozen
     freeze_startup_heap()
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
         failure = runner.run(_serve(options))
     if any(t.name.startswith("pgflow-job") and t.is_alive() for t in threading.enumerate()):
         # A sync job that ignores ctx.cancelled would hold the exit (the interpreter joins
