@@ -74,10 +74,11 @@ def serve(options: ServeOptions) -> None:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     options = hide_secrets(options)
-    loop_factory = event_loop_factory()  # imported before the startup heap is frozen
     freeze_startup_heap()
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        failure = runner.run(_serve(options))
+    # The standard loop, not uvloop: when the server ends a session, libpq closes the
+    # socket that psycopg still watches, and libuv then aborts the whole process (an
+    # assertion in uv__io_poll) -- the chaos soak's pg_terminate_backend found it.
+    failure = asyncio.run(_serve(options))
     if any(t.name.startswith("pgflow-job") and t.is_alive() for t in threading.enumerate()):
         # A sync job that ignores ctx.cancelled would hold the exit (the interpreter joins
         # pool threads at exit); its run is already back in the queue, so leave now.
@@ -88,20 +89,6 @@ def serve(options: ServeOptions) -> None:
         os._exit(1 if failure else 0)
     if failure:
         raise PgflowError(failure)
-
-
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where it installs (Linux, macOS), the standard one elsewhere
-    (None). A replica's hot path is event-loop work: a task, a few callbacks and socket
-    reads per run; uvloop does them in C (about 3 µs of a no-op run's 14 µs of Python
-    bookkeeping, issue 16). Nothing in pgflow depends on which loop runs: commands are
-    ``subprocess.Popen`` children watched through ``add_reader``, signals go through
-    ``add_signal_handler``, both alike on either loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
 
 
 def freeze_startup_heap() -> None:

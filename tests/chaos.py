@@ -150,7 +150,8 @@ class Soak:
 
     def _victim(self) -> Replica | None:
         for replica in self.live:  # none may stop by itself, even across the restart
-            assert replica.alive(), f"{replica} exited on its own:\n{replica.tail()}"
+            assert replica.alive(), (f"{replica} exited on its own with "
+                                     f"{replica.proc.returncode}:\n{replica.tail()}")
         candidates = [r for r in self.live if r.pid not in self.frozen]
         return self.rng.choice(candidates) if len(candidates) > 1 else None
 

@@ -49,17 +49,3 @@ def test_bad_serve_settings_are_one_line(db_url: str, tmp_path: Path, args: tupl
     text = err.decode()
     assert proc.returncode != 0 and text.startswith(message), text
     assert text.count("\n") == 1 and "Traceback" not in text
-
-
-def test_replicas_run_on_uvloop_where_it_installs() -> None:
-    import uvloop
-
-    from pgflow.serve import event_loop_factory
-
-    factory = event_loop_factory()
-    assert factory is uvloop.new_event_loop
-    loop = factory()
-    try:
-        assert isinstance(loop, uvloop.Loop)
-    finally:
-        loop.close()
