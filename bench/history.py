@@ -66,7 +66,7 @@ SAMPLE_SQL = """
 SELECT extract(epoch FROM clock_timestamp())::float8 AS t,
        (SELECT count(*) FROM pgflow.runs WHERE state = 'succeeded') AS present,
        (SELECT count(*) FROM pgflow.runs
-        WHERE state IN ('pending', 'queued', 'running', 'retrying')) AS unfinished,
+        WHERE state IN ('pending', 'queued', 'retrying') OR state = 'running') AS unfinished,
        (SELECT coalesce(max(pruned_runs), 0) FROM pgflow.retention) AS pruned,
        (SELECT count(*) FROM pgflow.runs
         WHERE finished_at < now() - make_interval(secs => %(retention_s)s)) AS past_retention,

@@ -74,7 +74,7 @@ WITH names AS (
     SELECT tenant, count(*) FILTER (WHERE state = 'running') AS running,
            count(*) FILTER (WHERE state IN ('queued', 'retrying')) AS queued,
            count(*) FILTER (WHERE state IN ('queued', 'retrying') AND held) AS held
-    FROM pgflow.runs WHERE state IN ('running', 'queued', 'retrying')
+    FROM pgflow.runs WHERE (state IN ('queued', 'retrying') OR state = 'running')
     GROUP BY tenant
 )
 SELECT n.name, coalesce(t.weight, 1)::float8 AS weight, t.max_concurrency,

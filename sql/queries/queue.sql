@@ -408,8 +408,9 @@ WITH result AS (
     -- a sequential scan of runs, and the tests IS NOT DISTINCT FROM (not indexable) keep
     -- it off the other indexes. With an indexable owner test it walked runs_owner_idx once
     -- per result row; with an indexable state test it read the whole 'running' range of
-    -- runs_state_idx per batch, with the entries left by every run claimed since the last
-    -- vacuum (3 million index entries read for 20,000 runs at concurrency 64).
+    -- the state index of the time per batch, with the entries left by every run claimed
+    -- since the last vacuum (3 million index entries read for 20,000 runs at
+    -- concurrency 64).
     WHERE r.id = ANY (ARRAY(SELECT id FROM result)) AND r.id = res.id
       AND r.attempt IS NOT DISTINCT FROM res.attempt
       AND r.lease_owner IS NOT DISTINCT FROM res.owner AND r.state IS NOT DISTINCT FROM 'running'

@@ -178,10 +178,11 @@ FROM pgflow.leader l
 LEFT JOIN pgflow.replicas r ON r.id = l.replica_id
 
 -- name: status_queue_depth
--- Only the non-terminal states: runs_state_idx skips the finished history.
+-- Only the non-terminal states: runs_state_idx (waiting runs) and runs_owner_idx (running
+-- ones) skip the finished history.
 SELECT state, tenant, count(*) AS runs
 FROM pgflow.runs
-WHERE state IN ('pending', 'queued', 'running', 'retrying')
+WHERE (state IN ('pending', 'queued', 'retrying') OR state = 'running')
 GROUP BY state, tenant
 ORDER BY state, tenant
 

@@ -46,7 +46,7 @@ FULL JOIN (
            count(*) FILTER (WHERE state = 'running') AS running,
            count(*) FILTER (WHERE state = 'pending') AS pending,
            count(*) FILTER (WHERE state = 'retrying') AS retrying
-    FROM pgflow.runs WHERE state IN ('pending', 'queued', 'running', 'retrying')
+    FROM pgflow.runs WHERE (state IN ('pending', 'queued', 'retrying') OR state = 'running')
     GROUP BY tenant
 ) q USING (tenant)
 ORDER BY 1
@@ -123,7 +123,7 @@ ON CONFLICT (minute) DO NOTHING
 SELECT now() AS now,
        (SELECT coalesce(jsonb_agg(d ORDER BY d.state, d.tenant), '[]')
         FROM (SELECT state, tenant, count(*)::int AS runs FROM pgflow.runs
-              WHERE state IN ('pending', 'queued', 'running', 'retrying')
+              WHERE (state IN ('pending', 'queued', 'retrying') OR state = 'running')
               GROUP BY state, tenant) d) AS depth,
        (SELECT count(*)::int FROM pgflow.runs WHERE state = 'failed' AND acked_at IS NULL)
            AS dead_letters,
@@ -169,7 +169,7 @@ WITH bounds AS (
 SELECT (SELECT upper FROM bounds) AS upper,
        (SELECT coalesce(jsonb_agg(d), '[]')
         FROM (SELECT state, tenant, count(*)::int AS runs FROM pgflow.runs
-              WHERE state IN ('pending', 'queued', 'running', 'retrying')
+              WHERE (state IN ('pending', 'queued', 'retrying') OR state = 'running')
               GROUP BY state, tenant) d) AS depth,
        (SELECT count(*)::int FROM pgflow.runs WHERE state = 'failed' AND acked_at IS NULL)
            AS dead_letters,
