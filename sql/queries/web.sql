@@ -206,11 +206,15 @@ SELECT (SELECT upper FROM bounds) AS upper,
                      sum(greatest(extract(epoch FROM started_at - logical_time), 0))::float8
                          AS seconds
               FROM (
-                  -- started since the last scrape: still unfinished (runs_schedule_started_idx)
-                  -- or finished since, which they must have been (runs_finished_idx)
+                  -- started since the last scrape: running (runs_owner_idx), started and
+                  -- waiting again (runs_schedule_started_idx), or finished since, which
+                  -- they must have been (runs_finished_idx)
+                  SELECT started_at, logical_time FROM pgflow.runs
+                  WHERE state = 'running' AND trigger = 'schedule' AND started_at >= %(since)s
+                  UNION ALL
                   SELECT started_at, logical_time FROM pgflow.runs
                   WHERE trigger = 'schedule' AND started_at IS NOT NULL AND finished_at IS NULL
-                    AND started_at >= %(since)s
+                    AND state <> 'running' AND started_at >= %(since)s
                   UNION ALL
                   SELECT started_at, logical_time FROM pgflow.runs
                   WHERE finished_at >= %(since)s AND trigger = 'schedule'

@@ -116,6 +116,25 @@ def test_the_schedule_lag_counts_a_run_once_whether_it_finished_yet_or_not(conn:
     assert value(scrape(metrics), "pgflow_schedule_lag_seconds_count") == 1.0  # not again
 
 
+def test_the_schedule_lag_counts_a_run_waiting_to_retry_once(conn: Conn) -> None:
+    """Started and waiting again before the scrape (retrying: not running, not finished):
+    counted from the index of such runs, and not again once its next attempt runs."""
+    add_job(conn, "a", entrypoint="jobfuncs:noop")
+    metrics = metrics_for(conn)
+    scrape(metrics)
+    run_id = enqueue(conn, "a", T0)
+    conn.execute("UPDATE pgflow.runs SET trigger = 'schedule', state = 'retrying', attempt = 1,"
+                 " started_at = now(), logical_time = now() - interval '1 second'"
+                 " WHERE id = %s", (run_id,))
+    retrying = scrape(metrics)
+    assert value(retrying, "pgflow_schedule_lag_seconds_count") == 1.0
+    assert value(retrying, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
+    conn.execute("UPDATE pgflow.runs SET state = 'running', attempt = 2, lease_owner = 'w',"
+                 " attempt_started_at = now(), lease_expires_at = now() + interval '1 min'"
+                 " WHERE id = %s", (run_id,))
+    assert value(scrape(metrics), "pgflow_schedule_lag_seconds_count") == 1.0  # not again
+
+
 def test_a_database_outage_keeps_counters_and_says_so(conn: Conn, db_url: str) -> None:
     add_job(conn, "a", entrypoint="jobfuncs:noop")
     broken = psycopg.connect(db_url, autocommit=True, row_factory=dict_row)
