@@ -98,15 +98,25 @@ def test_counters_count_each_event_once(conn: Conn) -> None:
             value(second, key[0], pgflow_job="a", tenant="default", outcome=key[1])
 
 
-def test_the_schedule_lag_counts_a_run_once_whether_it_finished_yet_or_not(conn: Conn) -> None:
+def _started_scheduled_run(conn: Conn, state: str) -> tuple[Metrics, int]:
+    """A scheduled run that started a second after its tick, after a first scrape; in
+    ``state`` (running: under a lease)."""
     add_job(conn, "a", entrypoint="jobfuncs:noop")
     metrics = metrics_for(conn)
     scrape(metrics)
     run_id = enqueue(conn, "a", T0)
-    conn.execute("UPDATE pgflow.runs SET trigger = 'schedule', state = 'running', attempt = 1,"
-                 " started_at = now(), attempt_started_at = now(), lease_owner = 'w',"
-                 " lease_expires_at = now() + interval '1 min',"
-                 " logical_time = now() - interval '1 second' WHERE id = %s", (run_id,))
+    leased = state == "running"
+    conn.execute("UPDATE pgflow.runs SET trigger = 'schedule', state = %(state)s, attempt = 1,"
+                 " started_at = now(), logical_time = now() - interval '1 second',"
+                 " attempt_started_at = CASE WHEN %(leased)s THEN now() END,"
+                 " lease_owner = CASE WHEN %(leased)s THEN 'w' END,"
+                 " lease_expires_at = CASE WHEN %(leased)s THEN now() + interval '1 min' END"
+                 " WHERE id = %(id)s", {"state": state, "leased": leased, "id": run_id})
+    return metrics, run_id
+
+
+def test_the_schedule_lag_counts_a_run_once_whether_it_finished_yet_or_not(conn: Conn) -> None:
+    metrics, run_id = _started_scheduled_run(conn, "running")
     running = scrape(metrics)  # started since the last scrape, not finished: counted
     assert value(running, "pgflow_schedule_lag_seconds_count") == 1.0
     assert value(running, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
@@ -119,13 +129,7 @@ def test_the_schedule_lag_counts_a_run_once_whether_it_finished_yet_or_not(conn:
 def test_the_schedule_lag_counts_a_run_waiting_to_retry_once(conn: Conn) -> None:
     """Started and waiting again before the scrape (retrying: not running, not finished):
     counted from the index of such runs, and not again once its next attempt runs."""
-    add_job(conn, "a", entrypoint="jobfuncs:noop")
-    metrics = metrics_for(conn)
-    scrape(metrics)
-    run_id = enqueue(conn, "a", T0)
-    conn.execute("UPDATE pgflow.runs SET trigger = 'schedule', state = 'retrying', attempt = 1,"
-                 " started_at = now(), logical_time = now() - interval '1 second'"
-                 " WHERE id = %s", (run_id,))
+    metrics, run_id = _started_scheduled_run(conn, "retrying")
     retrying = scrape(metrics)
     assert value(retrying, "pgflow_schedule_lag_seconds_count") == 1.0
     assert value(retrying, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
