@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 
 import psycopg
+import pytest
 from engine import add_job, enqueue
 from prometheus_client.parser import text_string_to_metric_families
 from psycopg.rows import dict_row
@@ -115,27 +116,26 @@ def _started_scheduled_run(conn: Conn, state: str) -> tuple[Metrics, int]:
     return metrics, run_id
 
 
-def test_the_schedule_lag_counts_a_run_once_whether_it_finished_yet_or_not(conn: Conn) -> None:
-    metrics, run_id = _started_scheduled_run(conn, "running")
-    running = scrape(metrics)  # started since the last scrape, not finished: counted
-    assert value(running, "pgflow_schedule_lag_seconds_count") == 1.0
-    assert value(running, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
-    conn.execute("UPDATE pgflow.runs SET state = 'succeeded', finished_at = now(),"
-                 " lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL"
-                 " WHERE id = %s", (run_id,))
-    assert value(scrape(metrics), "pgflow_schedule_lag_seconds_count") == 1.0  # not again
+# A scheduled run that started since the last scrape, then what it does next: counted
+# once whichever index finds it (running: runs_owner_idx; started and waiting to retry:
+# runs_schedule_started_idx; finished: runs_finished_idx).
+NEXT_STEP = {
+    "running": "UPDATE pgflow.runs SET state = 'succeeded', finished_at = now(),"
+               " lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL"
+               " WHERE id = %s",
+    "retrying": "UPDATE pgflow.runs SET state = 'running', attempt = 2, lease_owner = 'w',"
+                " attempt_started_at = now(), lease_expires_at = now() + interval '1 min'"
+                " WHERE id = %s",
+}
 
 
-def test_the_schedule_lag_counts_a_run_waiting_to_retry_once(conn: Conn) -> None:
-    """Started and waiting again before the scrape (retrying: not running, not finished):
-    counted from the index of such runs, and not again once its next attempt runs."""
-    metrics, run_id = _started_scheduled_run(conn, "retrying")
-    retrying = scrape(metrics)
-    assert value(retrying, "pgflow_schedule_lag_seconds_count") == 1.0
-    assert value(retrying, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
-    conn.execute("UPDATE pgflow.runs SET state = 'running', attempt = 2, lease_owner = 'w',"
-                 " attempt_started_at = now(), lease_expires_at = now() + interval '1 min'"
-                 " WHERE id = %s", (run_id,))
+@pytest.mark.parametrize("state", list(NEXT_STEP))
+def test_the_schedule_lag_counts_a_started_run_once(conn: Conn, state: str) -> None:
+    metrics, run_id = _started_scheduled_run(conn, state)
+    started = scrape(metrics)  # started since the last scrape, not finished: counted
+    assert value(started, "pgflow_schedule_lag_seconds_count") == 1.0
+    assert value(started, "pgflow_schedule_lag_seconds_bucket", le="2.0") == 1.0
+    conn.execute(NEXT_STEP[state], (run_id,))
     assert value(scrape(metrics), "pgflow_schedule_lag_seconds_count") == 1.0  # not again
 
 
