@@ -56,8 +56,9 @@ LIMIT %(limit)s
 -- Run listings with a filter that their index does not cover (tenant, trigger, logical
 -- time, or a state within a job) read at most %(scan)s index entries per page: this is
 -- the id of the entry %(scan)s places below the cursor on the index the page walks
--- (runs_job_idx, runs_state_idx or the primary key), or NULL when fewer are left. Only
--- the branch taken runs (each subquery is an init plan).
+-- (runs_job_idx, runs_state_idx -- runs_owner_idx for the few running runs -- or the
+-- primary key), or NULL when fewer are left. Only the branch taken runs (each subquery
+-- is an init plan).
 SELECT CASE
     WHEN %(job)s::text IS NOT NULL THEN
         (SELECT id FROM pgflow.runs WHERE job = %(job)s AND id < %(before_id)s
