@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
+
+R = TypeVar("R", bound=tuple[Any, ...])
 
 
 class Claimed(NamedTuple):
@@ -39,10 +41,16 @@ class Claimed(NamedTuple):
         return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
 
 
-def claimed_rows(cursor: Any) -> Callable[[Sequence[Any]], Claimed]:
-    """psycopg row factory of the claim statements: one ``Claimed`` per row, built by
-    ``tuple.__new__`` (no Python call per row)."""
-    names = tuple(column.name for column in cursor.description or ())
-    if names and names != Claimed._fields:
-        raise RuntimeError(f"claim columns {names} are not Claimed's {Claimed._fields}")
-    return partial(tuple.__new__, Claimed)
+def named_rows(cls: type[R]) -> Callable[[Any], Callable[[Sequence[Any]], R]]:
+    """A psycopg row factory making one ``cls`` (a NamedTuple whose fields are the
+    statement's columns, in order) per row, by ``tuple.__new__``: no Python call per row."""
+    def factory(cursor: Any) -> Callable[[Sequence[Any]], R]:
+        names = tuple(column.name for column in cursor.description or ())
+        if names and names != cls._fields:  # type: ignore[attr-defined]
+            raise RuntimeError(f"columns {names} are not {cls.__name__}'s"
+                               f" {cls._fields}")  # type: ignore[attr-defined]
+        return partial(tuple.__new__, cls)
+    return factory
+
+
+claimed_rows = named_rows(Claimed)

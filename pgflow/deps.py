@@ -73,12 +73,15 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
 
 from pgflow.queries import q
+
+if TYPE_CHECKING:  # queue imports this module
+    from pgflow.queue import Finished
 
 T = TypeVar("T")
 Rows = list[dict[str, Any]]
@@ -140,13 +143,13 @@ def _fail_flow(ids: list[int], settled: Settled) -> Flow[None]:
         settled.backfills.update(row["backfill_id"] for row in rows if row["backfill_id"])
 
 
-def finish_flow(rows: Sequence[dict[str, Any]]) -> Flow[Settled]:
+def finish_flow(rows: Sequence[Finished]) -> Flow[Settled]:
     """After ``finish_attempts`` (its ``rows``), in the same transaction: queue the ready
     downstreams of runs that succeeded, fail those of runs that failed or were cancelled,
     and complete the backfills that have nothing left to run."""
     settled = Settled()
-    candidates = list(rows[0]["candidates"] or []) if rows else []
-    succeeded = [r["id"] for r in rows if r["state"] == "succeeded" and r.get("downstream", True)]
+    candidates = list(rows[0].candidates or []) if rows else []
+    succeeded = [r.id for r in rows if r.state == "succeeded" and r.downstream]
     if candidates or succeeded:
         out = (yield ("queue_ready_runs", {"ids": candidates, "finished": succeeded}))[0]
         settled.queued += out["queued"]
@@ -155,9 +158,9 @@ def finish_flow(rows: Sequence[dict[str, Any]]) -> Flow[Settled]:
             again = (yield ("queue_ready_runs", {"ids": out["late"], "finished": []}))[0]
             settled.queued += again["queued"]
             settled.backfills.update(again["backfills"])
-    ended = [r["id"] for r in rows if r["state"] in ("failed", "cancelled")]
+    ended = [r.id for r in rows if r.state in ("failed", "cancelled")]
     yield from _fail_flow(sorted(ended), settled)
-    done = settled.backfills | {r["backfill_id"] for r in rows if r.get("backfill_id")}
+    done = settled.backfills | {r.backfill_id for r in rows if r.backfill_id}
     if done:
         yield ("complete_backfills", {"ids": sorted(done)})
     return settled
@@ -228,7 +231,7 @@ async def fail_downstreams_async(conn: psycopg.AsyncConnection[Any],
 
 
 async def after_finish(conn: psycopg.AsyncConnection[Any],
-                       rows: Sequence[dict[str, Any]]) -> Settled:
+                       rows: Sequence[Finished]) -> Settled:
     """Call right after ``finish_attempts``, in its transaction (see ``finish_flow``)."""
     return await run_async(conn, finish_flow(rows))
 

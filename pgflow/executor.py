@@ -57,7 +57,8 @@ class AttemptResult:
 
 @dataclass(slots=True)
 class Job:
-    """What an execution needs to know about the run it executes."""
+    """What an execution needs to know about the run it executes (the worker builds it
+    positionally, in this field order)."""
 
     run_id: int
     job: str

@@ -52,7 +52,7 @@ class LazyLogger:
 
     __slots__ = ("_base", "_bound", "_fields")
 
-    def __init__(self, base: Any, **fields: Any) -> None:
+    def __init__(self, base: Any, fields: dict[str, Any]) -> None:
         self._base = base
         self._fields = fields
         self._bound: Any = None

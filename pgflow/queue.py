@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import backfill, breakers, deps, handoff
-from pgflow.claimed import Claimed, claimed_rows
+from pgflow.claimed import Claimed, claimed_rows, named_rows
 from pgflow.queries import q
 
 
@@ -42,6 +42,22 @@ class Finish:
     sources: tuple[str, ...] = ()  # the job's, for its breakers (a success resets them)
     unavailable: tuple[str, ...] = ()  # a source-unavailable attempt: the sources it names
     refund: bool = False  # the attempt does not use up the budget (set by ``finish``)
+
+
+class Finished(NamedTuple):
+    """A row of ``finish_attempts``: an attempt that counted, and its run's new state.
+    Loaded in binary as a tuple (``named_rows``): at 500 results a statement, a dict per
+    row cost the worker 1.6 µs a result more (issue 16)."""
+
+    id: int
+    state: str
+    backfill_id: int | None
+    candidates: list[int] | None  # the same on every row: pending downstreams it locked
+    delivered: int
+    downstream: bool  # queue_ready_runs must look for its late downstreams
+
+
+finished_rows = named_rows(Finished)
 
 
 def finish_params(finishes: Sequence[Finish], *, arrays: bool = True) -> dict[str, Any]:
@@ -276,7 +292,6 @@ async def finish(conn: psycopg.AsyncConnection[Any],
     """End attempts and evaluate what depends on them; returns {run_id: new state} for the
     attempts that were still ours (the others were fenced off and change nothing)."""
     async with conn.transaction():
-        cur = conn.cursor(row_factory=dict_row)
         opened: tuple[str, ...] = ()
         unavailable = [(f.run_id, f.attempt, f.owner, f.unavailable)
                        for f in finishes if f.unavailable]
@@ -286,9 +301,10 @@ async def finish(conn: psycopg.AsyncConnection[Any],
             if outcome.refunded:
                 finishes = [_refunded(f) if f.run_id in outcome.refunded else f
                             for f in finishes]
-        await cur.execute(q("finish_attempts"), finish_params(finishes))
+        cur = conn.cursor(row_factory=finished_rows)
+        await cur.execute(q("finish_attempts"), finish_params(finishes), binary=True)
         rows = await cur.fetchall()
-        done = {row["id"]: row["state"] for row in rows}
+        done = {row.id: row.state for row in rows}
         await breakers.hold(conn, opened)
         closed = await breakers.record_successes(conn, [
             (f.run_id, f.sources) for f in finishes
@@ -298,8 +314,8 @@ async def finish(conn: psycopg.AsyncConnection[Any],
         settled = await deps.after_finish(conn, rows)
         wake = wake or bool(settled.queued)
         if wake:
-            await cur.execute(q("notify_queue"))
-    backfills = sorted({row["backfill_id"] for row in rows if row["backfill_id"] is not None})
+            await conn.execute(q("notify_queue"))
+    backfills = sorted({row.backfill_id for row in rows if row.backfill_id is not None})
     if backfills:  # a finished backfill run frees a slot of its backfill: refill it now
         await backfill.release(conn, backfills)
     return done

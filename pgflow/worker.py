@@ -437,11 +437,10 @@ class Worker:
                                 started_at=row.attempt_started_at,
                                 error="cancel requested before the attempt started"))
             return
-        job = Job(run_id=row.id, job=row.job, logical_time=row.logical_time,
-                  attempt=row.attempt, params=row.params, command=row.command,
-                  entrypoint=row.entrypoint, timeout_s=row.timeout_s,
-                  checkpoint=row.checkpoint, trigger_events=row.trigger_events)
-        log = LazyLogger(self.log, run_id=job.run_id, job=job.job, attempt=job.attempt)
+        # Positional: keyword arguments cost as much again (0.7 µs a run, issue 16).
+        job = Job(row.id, row.job, row.logical_time, row.attempt, row.params, row.command,
+                  row.entrypoint, row.timeout_s, row.checkpoint, row.trigger_events)
+        log = LazyLogger(self.log, {"run_id": row.id, "job": row.job, "attempt": row.attempt})
         execution = Execution(job, log, self._threads, deadline=deadline,
                               log_limit=self.log_limit)
         held = Held(row, execution, deadline, replaces=self._newest.get(job.run_id))

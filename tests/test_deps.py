@@ -491,10 +491,10 @@ def test_a_retry_blocked_by_a_finish_sees_the_upstream_succeeded(conn: Conn,
     async def scenario() -> None:
         finisher = await AsyncConnection.connect(db_url, autocommit=True)
         async with finisher.transaction():
-            cur = finisher.cursor(row_factory=dict_row)
-            await cur.execute(q("finish_attempts"), queue.finish_params([done]))
+            cur = finisher.cursor(row_factory=queue.finished_rows)
+            await cur.execute(q("finish_attempts"), queue.finish_params([done]), binary=True)
             rows = await cur.fetchall()
-            assert rows[0]["candidates"] is None  # b is cancelled
+            assert rows[0].candidates is None  # b is cancelled
             retrying = asyncio.create_task(asyncio.to_thread(_retry, db_url, ids["b"]))
             await _blocked_on_a_lock(db_url, await _creator_pid(db_url))
             await deps.after_finish(finisher, rows)
