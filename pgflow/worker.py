@@ -101,20 +101,17 @@ MAX_FLUSH_CHARS = 8 * 1024 * 1024
 Key = tuple[int, int]  # (run id, attempt): what a lease is on
 
 
-@dataclass
+@dataclass(slots=True)
 class Held:
-    """One attempt this worker executes under its lease."""
+    """One attempt this worker executes under its lease (made for every run: slots)."""
 
+    key: Key  # (row.id, row.attempt)
     row: Claimed
     execution: Execution
     deadline: float  # time.monotonic() by which the lease could have expired
     replaces: Held | None = None  # an older attempt of the run, stopped before this starts
     task: asyncio.Task[None] | None = field(default=None)
     self_fenced: bool = False  # stopped by its own deadline, not by the database
-
-    @property
-    def key(self) -> Key:
-        return (self.row.id, self.row.attempt)
 
 
 class Worker:
@@ -443,7 +440,7 @@ class Worker:
         log = LazyLogger(self.log, {"run_id": row.id, "job": row.job, "attempt": row.attempt})
         execution = Execution(job, log, self._threads, deadline=deadline,
                               log_limit=self.log_limit)
-        held = Held(row, execution, deadline, replaces=self._newest.get(job.run_id))
+        held = Held((row.id, row.attempt), row, execution, deadline, self._newest.get(row.id))
         if held.replaces is not None:
             log.warning("run claimed again while its older attempt still runs here:"
                         " stopping that one first", older_attempt=held.replaces.row.attempt)
@@ -487,8 +484,8 @@ class Worker:
     def _ended(self, held: Held) -> None:
         """Take an attempt that stopped executing off the books (its thread may not)."""
         self.active.pop(held.key, None)
-        if self._newest.get(held.key[0]) is held:
-            del self._newest[held.key[0]]
+        if self._newest.get(held.row.id) is held:
+            del self._newest[held.row.id]
         thread = held.execution.thread
         if thread is not None and not thread.done():
             held.execution.logger.warning("sync job ignores cancellation: its thread keeps a"
@@ -524,12 +521,11 @@ class Worker:
         if result.outcome == retry.FAILED and result.exit_code == retry.EX_TEMPFAIL:
             # SourceUnavailable("x") names one source; exit 75 means every source of the job
             unavailable = (result.unavailable_source,) if result.unavailable_source else sources
-        return Finish(run_id=row.id, attempt=row.attempt, owner=self.id,
-                      state=decision.state, outcome=result.outcome,
-                      started_at=row.attempt_started_at, delay_s=decision.delay_s,
-                      exit_code=result.exit_code, error=result.error,
-                      stdout_tail=result.stdout_tail, stderr_tail=result.stderr_tail,
-                      sources=sources, unavailable=unavailable)
+        # Positional, in Finish's field order (once a run: keywords cost 0.8 µs more).
+        return Finish(row.id, row.attempt, self.id, decision.state, result.outcome,
+                      row.attempt_started_at, decision.delay_s, result.exit_code,
+                      result.error, result.stdout_tail, result.stderr_tail, sources,
+                      unavailable)
 
     def _record(self, finish: Finish) -> None:
         self._unrecorded.add((finish.run_id, finish.attempt))
