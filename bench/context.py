@@ -103,7 +103,7 @@ WAITING = tuple(s for s in UNFINISHED if s != "running")
 
 def any_unfinished(conn: Conn) -> bool:
     """Whether a run is still to finish: what the figures poll for, probes of
-    runs_state_idx (waiting runs) and runs_owner_idx (running ones) that stop at the
+    runs_state_idx (waiting runs) and runs_running_idx (running ones) that stop at the
     first such run. (A count of the unfinished runs every quarter second read every entry
     each time, the dead ones of runs already claimed included: a tenth of PostgreSQL's
     CPU during a 40,000-run throughput figure, charged to pgflow.)"""

@@ -97,7 +97,7 @@ PostgreSQL 15 with stock settings, ``bench/history.py``):
 * HOT updates: before migration 0008 not one update of ``runs`` was HOT (0 of 41,803
   in a 20,000-run no-op run): ``runs_lease_idx`` indexed the lease expiry, which every
   renewal changes, and full pages left no room. Without that index (the reaper reads
-  the running runs through ``runs_owner_idx``: a few thousand rows at most) and with
+  the running runs through ``runs_running_idx``: a few thousand rows at most) and with
   fillfactor 80, 94 % of lease renewals are HOT (2,400 of 2,550 in a renewal loop; 62 %
   with a real worker renewing 150 adjacent runs). Transitions cannot be HOT (``state``
   is in the partial indexes' predicates, by design), so no-op runs, which rarely renew,

@@ -61,11 +61,15 @@ FROM pgflow.runs WHERE id % 10 = 0
 
 
 # Running runs are few whatever the history: read by primary key or through
-# runs_owner_idx (runs_state_idx leaves them out; the planner's pick varies with stats).
-RUNNING_RANGE = {"runs_pkey", "runs_owner_idx"}
+# runs_running_idx (runs_state_idx leaves them out; the planner's pick varies with stats).
+RUNNING_RANGE = {"runs_pkey", "runs_running_idx"}
 # Every unfinished run: the waiting ones through runs_state_idx, the running ones
-# through runs_owner_idx.
-UNFINISHED = {"runs_state_idx", "runs_owner_idx"}
+# through runs_running_idx.
+UNFINISHED = {"runs_state_idx", "runs_running_idx"}
+# A job's runs newest first: those not running through runs_job_idx, the running ones
+# through runs_running_idx (a claim writes no runs_job_idx entry: migration 0023).
+JOB_RUNS = {"runs_job_idx", "runs_running_idx"}
+MUST_USE_ALL = (UNFINISHED, JOB_RUNS)
 
 def _with_database(url: str, name: str) -> str:
     return urlunsplit(urlsplit(url)._replace(path="/" + name))
@@ -190,7 +194,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             "ids": [r["id"] for r in running], "attempts": [r["attempt"] for r in running]},
             RUNNING_RANGE),
         # One primary-key probe per result (the array of ids in finish_attempts); reading
-        # the few running runs through runs_owner_idx would do too.
+        # the few running runs through runs_running_idx would do too.
         "finish batch": ("finish_attempts", _finishes(noop[:100]),
                          RUNNING_RANGE),
         "finish upstreams": ("finish_attempts", _finishes(ups),
@@ -232,6 +236,18 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             "after_id": None}, {"runs_finished_idx"}),
         "web: runs page floor": ("runs_floor", {**LISTING, "scan": 20_000},
                                  {"runs_pkey"}),
+        "web: runs page floor of a job": ("runs_floor", {**LISTING, "job": "noop",
+                                                         "scan": 20_000}, JOB_RUNS),
+        "web: runs page of a job": ("runs_page", {**LISTING, "job": "noop", "tenant": None,
+                                                  "floor": None, "limit": 51}, JOB_RUNS),
+        "runs of a job": ("runs_list_by_job", {**LISTING, "job": "noop", "limit": 51},
+                          JOB_RUNS),
+        "web: job history": ("web_job_history", {"job": "noop", "runs": 50}, JOB_RUNS),
+        # each job's latest run: pgflow.latest_run_id (its own plan is checked below),
+        # then the run by primary key
+        "web: jobs page": ("web_jobs_page", {"after": None, "search": None, "tenant": None,
+                                             "paused": None, "state": None, "limit": 50},
+                           {"runs_pkey"}),
         "web: runs page by tenant": ("runs_page", {**LISTING, "floor": live["floor"],
                                                        "limit": 51}, {"runs_pkey"}),
         "web: dashboard minutes": ("web_rollup_minutes", {"settle_s": 120, "limit": 60},
@@ -305,10 +321,23 @@ def test_hot_statement_reads_no_history(history: tuple[Conn, dict[str, Any]],
            if n["Node Type"] == "Seq Scan" and n.get("Relation Name") in HOT_TABLES]
     assert not seq, f"{label}: sequential scan of {seq}"
     used = {n["Index Name"] for n in nodes if "Index Name" in n}
-    if intended == UNFINISHED:  # every unfinished run: the waiting and the running ones
+    if intended in MUST_USE_ALL:  # e.g. every unfinished run: waiting and running ones
         assert intended <= used, f"{label}: expected both of {intended}, plan uses {used}"
     elif intended:
         assert used & intended, f"{label}: expected one of {intended}, plan uses {used}"
+
+
+def test_a_jobs_latest_run_is_two_index_probes(history: tuple[Conn, dict[str, Any]]) -> None:
+    conn, _ = history
+    row = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = 'latest_run_id'"
+                       " AND pronamespace = 'pgflow'::regnamespace").fetchone()
+    assert row is not None
+    body = row["prosrc"].replace("job_name", "'noop'")
+    explained = conn.execute("EXPLAIN (FORMAT JSON) " + body).fetchone()
+    assert explained is not None
+    nodes = list(_nodes(explained["QUERY PLAN"][0]["Plan"]))
+    assert not [n for n in nodes if n["Node Type"] == "Seq Scan"]
+    assert {n["Index Name"] for n in nodes if "Index Name" in n} >= JOB_RUNS
 
 
 def test_the_history_is_there(history: tuple[Conn, dict[str, Any]]) -> None:

@@ -46,9 +46,11 @@ def test_schema_has_the_constraints_and_indexes_hot_paths_need(empty_db_url: str
             "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'pgflow'")}
         assert "state = ANY" in indexes["runs_claimable_idx"]
         assert "NOT capped" in indexes["runs_claimable_idx"]
-        # The reaper reads running runs through runs_owner_idx; no index holds the lease
-        # expiry, so renewals can be HOT updates (migration 0008).
-        assert "state = 'running'" in indexes["runs_owner_idx"]
+        # The reaper reads running runs through runs_running_idx; no index holds the lease
+        # expiry, so renewals can be HOT updates (migration 0008). A claim writes no entry
+        # to runs_job_idx: running runs are in runs_running_idx alone (migration 0023).
+        assert "state = 'running'" in indexes["runs_running_idx"]
+        assert "state <> 'running'" in indexes["runs_job_idx"]
         assert not any("lease_expires_at" in d for d in indexes.values())
         assert "next_fire_at" in indexes["jobs_due_idx"]
         unique = conn.execute(

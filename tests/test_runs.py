@@ -557,3 +557,34 @@ def test_a_session_that_triggers_often_plans_the_trigger_once(conn: Conn) -> Non
                        " WHERE statement LIKE '%%INSERT INTO pgflow.runs%%'").fetchone()
     assert row is not None, "the trigger statement was not prepared"
     assert row["custom_plans"] == 5 and row["generic_plans"] == 10, row
+
+
+def test_a_jobs_runs_newest_first_include_the_running_ones(etl: Conn, stuck_ok: None) -> None:
+    """Running runs live in runs_running_idx, the others in runs_job_idx (migration
+    0023): every reader of a job's runs newest first merges the two."""
+    ids = [runs.trigger(etl, "etl", T0 + timedelta(minutes=i)) for i in range(4)]
+    set_finished(etl, ids[0], "succeeded")
+    set_running(etl, ids[1])
+    set_running(etl, ids[3])  # ids[2] stays queued
+
+    def latest() -> int:
+        row = etl.execute("SELECT pgflow.latest_run_id('etl') AS id").fetchone()
+        assert row is not None
+        return int(row["id"])
+
+    assert latest() == ids[3]
+    assert [r["id"] for r in runs.list_runs(etl, job="etl")] == ids[::-1]
+    assert [r["id"] for r in runs.list_runs(etl, job="etl", state="running")] == [ids[3], ids[1]]
+    assert [r["id"] for r in runs.list_runs(etl, job="etl", before_id=ids[3])] == ids[2::-1]
+    first, cursor = runs.page_runs(etl, limit=3, job="etl")
+    assert [r["id"] for r in first] == [ids[3], ids[2], ids[1]]
+    rest, end = runs.page_runs(etl, limit=3, job="etl", before=cursor)
+    assert [r["id"] for r in rest] == [ids[0]] and end is None
+    running, _ = runs.page_runs(etl, limit=10, job="etl", state="running")
+    assert [r["id"] for r in running] == [ids[3], ids[1]]
+    etl.execute("UPDATE pgflow.runs SET state = 'succeeded', finished_at = now(),"
+                " lease_owner = NULL, lease_expires_at = NULL, attempt_started_at = NULL"
+                " WHERE id = %s", [ids[3]])  # out of runs_running_idx, into runs_job_idx
+    assert latest() == ids[3]
+    assert [r["id"] for r in runs.list_runs(etl, job="etl")] == ids[::-1]
+    assert etl.execute("SELECT pgflow.latest_run_id('nope') AS id").fetchone() == {"id": None}

@@ -117,7 +117,7 @@ def test_queries_skip_the_finished_history(cluster: Conn) -> None:
         "status_dead_letters": plan(cluster, "status_dead_letters"),
         "runs_dead_letters": plan(cluster, "runs_dead_letters", {"limit": 100}),
         "queued": plan(cluster, "runs_list_by_state", {"state": "queued", **no_cursor}),
-        # running runs are not in runs_state_idx: runs_owner_idx holds them
+        # running runs are not in runs_state_idx: runs_running_idx holds them
         "running": plan(cluster, "runs_list_by_state", {"state": "running", **no_cursor}),
         "succeeded": plan(cluster, "runs_list_by_state", {"state": "succeeded", **no_cursor}),
         "by_job": plan(cluster, "runs_list_by_job", {"job": "job-queuedsales", "state": None,
@@ -128,8 +128,9 @@ def test_queries_skip_the_finished_history(cluster: Conn) -> None:
     # Either partial index of failed runs reads dead letters only.
     assert any(index in plans["status_dead_letters"]
                for index in ("runs_dead_idx", "runs_failed_idx"))
-    assert "runs_job_idx" in plans["by_job"]
-    assert "runs_owner_idx" in plans["running"], plans["running"]
+    # a job's runs: those not running, and the running ones, each from its own index
+    assert "runs_job_idx" in plans["by_job"] and "runs_running_idx" in plans["by_job"]
+    assert "runs_running_idx" in plans["running"], plans["running"]
 
 
 @pytest.fixture

@@ -243,8 +243,6 @@ WITH own AS (
 )
 SELECT l.job, l.dataset, l.role, latest.id AS run_id, latest.state
 FROM links l
-LEFT JOIN LATERAL (
-    SELECT id, state FROM pgflow.runs r WHERE r.job = l.job ORDER BY r.id DESC LIMIT 1
-) latest ON true
+LEFT JOIN pgflow.runs latest ON latest.id = pgflow.latest_run_id(l.job)
 ORDER BY l.dataset, l.role, l.job
 LIMIT 500

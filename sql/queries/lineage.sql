@@ -16,10 +16,7 @@ WITH RECURSIVE up(job, depth) AS (
 )
 SELECT n.job, n.depth, latest.id AS run_id, latest.state, latest.logical_time
 FROM nodes n
-LEFT JOIN LATERAL (
-    SELECT id, state, logical_time FROM pgflow.runs r WHERE r.job = n.job
-    ORDER BY r.id DESC LIMIT 1
-) latest ON true
+LEFT JOIN pgflow.runs latest ON latest.id = pgflow.latest_run_id(n.job)
 ORDER BY n.depth, n.job
 
 -- name: lineage_edges

@@ -406,7 +406,7 @@ WITH result AS (
     -- The rows are found by primary key, one probe per result, whatever the statistics:
     -- the array of ids (as in claim_step) keeps a plan made on a table never analyzed off
     -- a sequential scan of runs, and the tests IS NOT DISTINCT FROM (not indexable) keep
-    -- it off the other indexes. With an indexable owner test it walked runs_owner_idx once
+    -- it off the other indexes. With an indexable owner test it walked the owner index once
     -- per result row; with an indexable state test it read the whole 'running' range of
     -- the state index of the time per batch, with the entries left by every run claimed
     -- since the last vacuum (3 million index entries read for 20,000 runs at

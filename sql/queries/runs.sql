@@ -20,31 +20,46 @@ AND (%(trigger)s::text IS NULL OR trigger = %(trigger)s)
 AND (%(since)s::timestamptz IS NULL OR logical_time >= %(since)s)
 AND (%(until)s::timestamptz IS NULL OR logical_time < %(until)s)
 
+-- fragment: run_columns
+-- What a listing shows of each run.
+SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
+       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+
 -- name: runs_list_all
 -- Listings (CLI, API, pages) take the filter's own index, and page with id < cursor
 -- (an index condition).
-SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+-- include: run_columns
 FROM pgflow.runs
 WHERE id < coalesce(%(before_id)s::bigint, 9223372036854775807)
   -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
 
--- name: runs_list_by_job
-SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
-FROM pgflow.runs
+-- fragment: run_job_filters
+-- A job's runs below the cursor, optionally in one state (runs_list_by_job).
 WHERE job = %(job)s
   AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
   AND (%(state)s::text IS NULL OR state = %(state)s)
+
+-- name: runs_list_by_job
+-- The runs not running (runs_job_idx) and the running ones (runs_running_idx), merged
+-- by id.
+-- include: run_columns
+FROM pgflow.runs
+-- include: run_job_filters
+  AND state <> 'running'
+  -- include: run_list_filters
+UNION ALL
+-- include: run_columns
+FROM pgflow.runs
+-- include: run_job_filters
+  AND state = 'running'
   -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
 
 -- name: runs_list_by_state
-SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at
+-- include: run_columns
 FROM pgflow.runs
 WHERE state = %(state)s
   AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
@@ -56,12 +71,17 @@ LIMIT %(limit)s
 -- Run listings with a filter that their index does not cover (tenant, trigger, logical
 -- time, or a state within a job) read at most %(scan)s index entries per page: this is
 -- the id of the entry %(scan)s places below the cursor on the index the page walks
--- (runs_job_idx, runs_state_idx -- runs_owner_idx for the few running runs -- or the
--- primary key), or NULL when fewer are left. Only the branch taken runs (each subquery
--- is an init plan).
+-- (runs_job_idx merged with runs_running_idx, runs_state_idx -- runs_running_idx for
+-- the few running runs -- or the primary key), or NULL when fewer are left. Only the
+-- branch taken runs (each subquery is an init plan).
 SELECT CASE
     WHEN %(job)s::text IS NOT NULL THEN
-        (SELECT id FROM pgflow.runs WHERE job = %(job)s AND id < %(before_id)s
+        (SELECT id FROM (
+             SELECT id FROM pgflow.runs
+             WHERE job = %(job)s AND state <> 'running' AND id < %(before_id)s
+             UNION ALL
+             SELECT id FROM pgflow.runs
+             WHERE job = %(job)s AND state = 'running' AND id < %(before_id)s) j
          ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
     WHEN %(state)s::text IS NOT NULL THEN
         (SELECT id FROM pgflow.runs WHERE state = %(state)s AND id < %(before_id)s
@@ -71,16 +91,27 @@ SELECT CASE
          ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
     END AS floor
 
--- name: runs_page
--- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
--- runs_floor), optional filters as in the listings above.
-SELECT id, job, logical_time, state, attempt, max_attempts, trigger, tenant, priority,
-       cancel_requested, acked_at, backfill_id, created_at, started_at, finished_at,
-       progress, progress_message
-FROM pgflow.runs
+-- fragment: run_page_filters
 WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
   AND (%(job)s::text IS NULL OR job = %(job)s)
   AND (%(state)s::text IS NULL OR state = %(state)s)
+
+-- name: runs_page
+-- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
+-- runs_floor), optional filters as in the listings above. The running runs are an arm
+-- of their own: a job's others are in runs_job_idx, its running ones in runs_running_idx.
+-- include: run_columns
+     , progress, progress_message
+FROM pgflow.runs
+-- include: run_page_filters
+  AND state <> 'running'
+  -- include: run_list_filters
+UNION ALL
+-- include: run_columns
+     , progress, progress_message
+FROM pgflow.runs
+-- include: run_page_filters
+  AND state = 'running'
   -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -179,7 +210,7 @@ FROM pgflow.leader l
 LEFT JOIN pgflow.replicas r ON r.id = l.replica_id
 
 -- name: status_queue_depth
--- Only the non-terminal states: runs_state_idx (waiting runs) and runs_owner_idx (running
+-- Only the non-terminal states: runs_state_idx (waiting runs) and runs_running_idx (running
 -- ones) skip the finished history.
 SELECT state, tenant, count(*) AS runs
 FROM pgflow.runs

@@ -4,17 +4,15 @@
 -- planned with its actual values).
 
 -- name: web_jobs_page
--- One page of jobs by name after %(after)s, with each job's latest run (runs_job_idx).
+-- One page of jobs by name after %(after)s, with each job's latest run
+-- (pgflow.latest_run_id: runs_job_idx and runs_running_idx).
 SELECT j.name, j.tenant, j.schedule, j.timezone, j.paused, j.priority, j.next_fire_at,
        ARRAY(SELECT d.upstream FROM pgflow.job_deps d WHERE d.job = j.name ORDER BY 1)
            AS depends_on,
        latest.id AS latest_run_id, latest.state AS latest_state,
        latest.logical_time AS latest_logical_time, latest.finished_at AS latest_finished_at
 FROM pgflow.jobs j
-LEFT JOIN LATERAL (
-    SELECT r.id, r.state, r.logical_time, r.finished_at FROM pgflow.runs r
-    WHERE r.job = j.name ORDER BY r.id DESC LIMIT 1
-) latest ON true
+LEFT JOIN pgflow.runs latest ON latest.id = pgflow.latest_run_id(j.name)
 WHERE (%(after)s::text IS NULL OR j.name > %(after)s)
   AND (%(search)s::text IS NULL OR strpos(lower(j.name), lower(%(search)s)) > 0)
   AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
@@ -30,7 +28,7 @@ WHERE (%(search)s::text IS NULL OR strpos(lower(j.name), lower(%(search)s)) > 0)
   AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
   AND (%(paused)s::bool IS NULL OR j.paused = %(paused)s)
   AND (%(state)s::text IS NULL OR (
-      SELECT r.state FROM pgflow.runs r WHERE r.job = j.name ORDER BY r.id DESC LIMIT 1
+      SELECT r.state FROM pgflow.runs r WHERE r.id = pgflow.latest_run_id(j.name)
   ) = %(state)s)
 
 -- name: web_tenants
@@ -63,9 +61,12 @@ WHERE r.id = %(id)s
 
 -- name: web_job_history
 -- The job's latest %(runs)s runs by state, and their finished attempts' durations
--- (runs_job_idx, then the attempts' primary key).
+-- (runs_job_idx and runs_running_idx merged by id, then the attempts' primary key).
 WITH recent AS (
-    SELECT id, state FROM pgflow.runs WHERE job = %(job)s ORDER BY id DESC LIMIT %(runs)s
+    SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND state <> 'running'
+    UNION ALL
+    SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND state = 'running'
+    ORDER BY id DESC LIMIT %(runs)s
 )
 SELECT (SELECT coalesce(jsonb_object_agg(state, n), '{}')
         FROM (SELECT state, count(*) AS n FROM recent GROUP BY state) s) AS states,
@@ -206,7 +207,7 @@ SELECT (SELECT upper FROM bounds) AS upper,
                      sum(greatest(extract(epoch FROM started_at - logical_time), 0))::float8
                          AS seconds
               FROM (
-                  -- started since the last scrape: running (runs_owner_idx), started and
+                  -- started since the last scrape: running (runs_running_idx), started and
                   -- waiting again (runs_schedule_started_idx), or finished since, which
                   -- they must have been (runs_finished_idx)
                   SELECT started_at, logical_time FROM pgflow.runs

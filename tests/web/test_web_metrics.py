@@ -117,7 +117,7 @@ def _started_scheduled_run(conn: Conn, state: str) -> tuple[Metrics, int]:
 
 
 # A scheduled run that started since the last scrape, then what it does next: counted
-# once whichever index finds it (running: runs_owner_idx; started and waiting to retry:
+# once whichever index finds it (running: runs_running_idx; started and waiting to retry:
 # runs_schedule_started_idx; finished: runs_finished_idx).
 NEXT_STEP = {
     "running": "UPDATE pgflow.runs SET state = 'succeeded', finished_at = now(),"
