@@ -156,8 +156,8 @@ def page_runs(conn: Conn, *, limit: int, before: int | None = None, job: str | N
     if residual:
         row = conn.execute(q("runs_floor"), args).fetchone()
         floor = None if row is None else row["floor"]
-    rows = conn.execute(q("runs_page"), {**args, "floor": floor,
-                                             "limit": limit + 1}).fetchall()
+    page = "runs_page" if job is None else "runs_page_of_job"
+    rows = conn.execute(q(page), {**args, "floor": floor, "limit": limit + 1}).fetchall()
     if len(rows) > limit:
         return rows[:limit], int(rows[limit - 1]["id"])
     return rows, None if floor is None else int(floor) + 1

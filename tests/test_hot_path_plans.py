@@ -238,7 +238,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
                                  {"runs_pkey"}),
         "web: runs page floor of a job": ("runs_floor", {**LISTING, "job": "noop",
                                                          "scan": 20_000}, JOB_RUNS),
-        "web: runs page of a job": ("runs_page", {**LISTING, "job": "noop", "tenant": None,
+        "web: runs page of a job": ("runs_page_of_job", {**LISTING, "job": "noop", "tenant": None,
                                                   "floor": None, "limit": 51}, JOB_RUNS),
         "runs of a job": ("runs_list_by_job", {**LISTING, "job": "noop", "limit": 51},
                           JOB_RUNS),
@@ -250,6 +250,9 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
                            {"runs_pkey"}),
         "web: runs page by tenant": ("runs_page", {**LISTING, "floor": live["floor"],
                                                        "limit": 51}, {"runs_pkey"}),
+        # the newest runs, whatever their state or job: the primary key, backwards
+        "web: runs page": ("runs_page", {**LISTING, "tenant": None, "floor": None,
+                                         "limit": 51}, {"runs_pkey"}),
         "web: dashboard minutes": ("web_rollup_minutes", {"settle_s": 120, "limit": 60},
                                    {"runs_finished_idx"}),
         "web: dashboard": ("web_dashboard", {"live_s": 600}, {"runs_finished_idx"}),

@@ -129,11 +129,12 @@ FOR UPDATE OF b
 
 -- name: breaker_leases_held
 -- Which of these (run, attempt, owner) results still hold their lease (locked for the
--- finish that follows): only those count for a breaker.
+-- finish that follows): only those count for a breaker. One primary-key probe per result
+-- (not indexable: IS NOT DISTINCT FROM, as in live_flush).
 SELECT r.id FROM pgflow.runs r
 JOIN unnest(%(ids)s::bigint[], %(attempts)s::int[], %(owners)s::text[]) AS h(id, attempt, owner)
   ON r.id = h.id AND r.attempt = h.attempt AND r.lease_owner = h.owner
-WHERE r.state = 'running'
+WHERE r.state IS NOT DISTINCT FROM 'running'
 ORDER BY r.id
 FOR UPDATE OF r
 

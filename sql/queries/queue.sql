@@ -305,18 +305,25 @@ WITH room AS (
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS h(id, attempt)
 ), renewed AS (
+    -- One primary-key probe per held pair: the running runs' index holds every worker's,
+    -- and a join of held with it (or with a CTE scan of held) was planned as a nested
+    -- loop over both (40 ms a renewal of 300 at 1,000,000 finished runs). The tests
+    -- IS NOT DISTINCT FROM (not indexable) keep it off that index.
     UPDATE pgflow.runs r
     SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
-    FROM held h
-    WHERE r.id = h.id AND r.attempt = h.attempt AND r.lease_owner = %(worker)s
-      AND r.state = 'running'
+    FROM unnest(%(ids)s::bigint[], %(attempts)s::int[]) AS h(id, attempt)
+    WHERE r.id = h.id AND r.attempt = h.attempt
+      AND r.lease_owner IS NOT DISTINCT FROM %(worker)s
+      AND r.state IS NOT DISTINCT FROM 'running'
     RETURNING r.id, r.attempt, r.cancel_requested
 ), released AS (
+    -- every running run (runs_running_idx: a few thousand at most), checked against the
+    -- held pairs once hashed (NOT IN a subquery), not once per run
     UPDATE pgflow.runs r
 -- include: give_back_set
     WHERE %(release)s AND r.lease_owner = %(worker)s AND r.state = 'running'
       AND NOT r.handed_off  -- its notification may still be on its way (handoff.py)
-      AND NOT EXISTS (SELECT 1 FROM held h WHERE h.id = r.id AND h.attempt = r.attempt)
+      AND (r.id, r.attempt) NOT IN (SELECT id, attempt FROM held)
     RETURNING r.id, r.attempt, r.state, r.backfill_id
 )
 SELECT id, attempt, cancel_requested, NULL::text AS released, NULL::bigint AS backfill_id

@@ -93,25 +93,34 @@ SELECT CASE
 
 -- fragment: run_page_filters
 WHERE id < %(before_id)s AND id > coalesce(%(floor)s::bigint, 0)
-  AND (%(job)s::text IS NULL OR job = %(job)s)
   AND (%(state)s::text IS NULL OR state = %(state)s)
 
 -- name: runs_page
 -- One page of runs, newest first: ids below %(before_id)s and above %(floor)s (see
--- runs_floor), optional filters as in the listings above. The running runs are an arm
--- of their own: a job's others are in runs_job_idx, its running ones in runs_running_idx.
+-- runs_floor), optional filters as in the listings above (not a job: runs_page_of_job).
 -- include: run_columns
      , progress, progress_message
 FROM pgflow.runs
 -- include: run_page_filters
-  AND state <> 'running'
+  -- include: run_list_filters
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: runs_page_of_job
+-- runs_page of one job: its runs not running (runs_job_idx) and its running ones
+-- (runs_running_idx), merged by id.
+-- include: run_columns
+     , progress, progress_message
+FROM pgflow.runs
+-- include: run_page_filters
+  AND job = %(job)s AND state <> 'running'
   -- include: run_list_filters
 UNION ALL
 -- include: run_columns
      , progress, progress_message
 FROM pgflow.runs
 -- include: run_page_filters
-  AND state = 'running'
+  AND job = %(job)s AND state = 'running'
   -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
