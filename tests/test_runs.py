@@ -568,7 +568,7 @@ def test_a_jobs_runs_newest_first_include_the_running_ones(etl: Conn, stuck_ok: 
     set_running(etl, ids[3])  # ids[2] stays queued
 
     def latest() -> int:
-        row = etl.execute("SELECT pgflow.latest_run_id('etl') AS id").fetchone()
+        row = etl.execute("SELECT id FROM pgflow.latest_run('etl')").fetchone()
         assert row is not None
         return int(row["id"])
 
@@ -587,4 +587,4 @@ def test_a_jobs_runs_newest_first_include_the_running_ones(etl: Conn, stuck_ok: 
                 " WHERE id = %s", [ids[3]])  # out of runs_running_idx, into runs_job_idx
     assert latest() == ids[3]
     assert [r["id"] for r in runs.list_runs(etl, job="etl")] == ids[::-1]
-    assert etl.execute("SELECT pgflow.latest_run_id('nope') AS id").fetchone() == {"id": None}
+    assert etl.execute("SELECT id FROM pgflow.latest_run('nope')").fetchone() is None

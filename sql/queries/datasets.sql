@@ -243,6 +243,6 @@ WITH own AS (
 )
 SELECT l.job, l.dataset, l.role, latest.id AS run_id, latest.state
 FROM links l
-LEFT JOIN pgflow.runs latest ON latest.id = pgflow.latest_run_id(l.job)
+LEFT JOIN LATERAL pgflow.latest_run(l.job) latest ON true
 ORDER BY l.dataset, l.role, l.job
 LIMIT 500

@@ -16,7 +16,7 @@ WITH RECURSIVE up(job, depth) AS (
 )
 SELECT n.job, n.depth, latest.id AS run_id, latest.state, latest.logical_time
 FROM nodes n
-LEFT JOIN pgflow.runs latest ON latest.id = pgflow.latest_run_id(n.job)
+LEFT JOIN LATERAL pgflow.latest_run(n.job) latest ON true
 ORDER BY n.depth, n.job
 
 -- name: lineage_edges

@@ -5,14 +5,14 @@
 
 -- name: web_jobs_page
 -- One page of jobs by name after %(after)s, with each job's latest run
--- (pgflow.latest_run_id: runs_job_idx and runs_running_idx).
+-- (pgflow.latest_run: runs_job_idx and runs_running_idx).
 SELECT j.name, j.tenant, j.schedule, j.timezone, j.paused, j.priority, j.next_fire_at,
        ARRAY(SELECT d.upstream FROM pgflow.job_deps d WHERE d.job = j.name ORDER BY 1)
            AS depends_on,
        latest.id AS latest_run_id, latest.state AS latest_state,
        latest.logical_time AS latest_logical_time, latest.finished_at AS latest_finished_at
 FROM pgflow.jobs j
-LEFT JOIN pgflow.runs latest ON latest.id = pgflow.latest_run_id(j.name)
+LEFT JOIN LATERAL pgflow.latest_run(j.name) latest ON true
 WHERE (%(after)s::text IS NULL OR j.name > %(after)s)
   AND (%(search)s::text IS NULL OR strpos(lower(j.name), lower(%(search)s)) > 0)
   AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
@@ -28,7 +28,7 @@ WHERE (%(search)s::text IS NULL OR strpos(lower(j.name), lower(%(search)s)) > 0)
   AND (%(tenant)s::text IS NULL OR j.tenant = %(tenant)s)
   AND (%(paused)s::bool IS NULL OR j.paused = %(paused)s)
   AND (%(state)s::text IS NULL OR (
-      SELECT r.state FROM pgflow.runs r WHERE r.id = pgflow.latest_run_id(j.name)
+      SELECT r.state FROM pgflow.latest_run(j.name) r
   ) = %(state)s)
 
 -- name: web_tenants
