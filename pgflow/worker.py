@@ -549,10 +549,15 @@ class Worker:
                 self._flush.set()
 
     async def _flush_once(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        async with self._flushing:  # the drain and the complete loop may both flush
-            if self._give_backs:
-                await self._give_back(conn)
-            while self._results:
+        """Write the results gathered so far, a batch at a time. Each batch holds
+        ``_flushing``: the drain and the complete loop may both flush, and a renewal waits
+        for the batch in flight (``_beat``), between two batches at most."""
+        while True:
+            async with self._flushing:
+                if self._give_backs:
+                    await self._give_back(conn)
+                if not self._results:
+                    return
                 batch = self._next_batch()
                 try:
                     await self._write(conn, batch)
@@ -673,14 +678,23 @@ class Worker:
     async def _beat(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """One renewal of exactly the attempts held now. It gives back unheld runs only
         if it holds the claim gate: a claim in flight may have committed runs that are
-        not in the books yet."""
+        not in the books yet.
+
+        It waits (briefly) for the finish batch in flight: the renewal and that batch
+        update the same rows (results not written yet are renewed) from two sessions, in
+        different orders, and deadlocked, a second's stall each (PostgreSQL's
+        deadlock_timeout) and one of the two statements lost (issue 16). The pairs go in
+        id order, the order live_flush locks them in."""
         release = await _acquire(self._claim_gate, timeout=min(1.0, self.ttl / 10))
+        writing = await _acquire(self._flushing, timeout=min(1.0, self.ttl / 10))
         try:
-            held = [*self.active, *self._unrecorded, *self._disputed]
+            held = sorted({*self.active, *self._unrecorded, *self._disputed})
             sent = time.monotonic()
             renewal = await bounded(conn, queue.renew(conn, self.id, self.ttl, held, release),
                                     self._beat_bound_s, "heartbeat")
         finally:
+            if writing:
+                self._flushing.release()
             if release:
                 self._claim_gate.release()
         self._renewed(held, renewal, sent + self.ttl)

@@ -375,6 +375,46 @@ def test_a_finish_refused_by_a_stale_server_is_recorded_when_the_lease_is_still_
                  " lease_owner = NULL, lease_expires_at = NULL WHERE id = %s", (lost,))
 
 
+def test_a_renewal_waits_for_the_finish_batch_in_flight(conn: Conn, db_url: str) -> None:
+    """A renewal covers the results not written yet, which the finish batch in flight
+    updates from another session: run at once, the two deadlocked (a second's stall, one
+    statement lost). The renewal waits for the batch, then renews."""
+    from pgflow.log import get_logger
+    from pgflow.worker import Worker
+
+    add_job(conn, "j", entrypoint="jobfuncs:noop")
+    ids = [enqueue(conn, "j", at=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(minutes=i))
+           for i in range(3)]
+    claimed = conn.execute(q("claim_runs"), {**NO_OFFER, "worker": "w17", "limit": 10,
+                                             "ttl": 60}).fetchall()
+    assert {r["id"] for r in claimed} == set(ids)
+    expiry = "SELECT id, lease_expires_at FROM pgflow.runs WHERE id = ANY(%s) ORDER BY id"
+
+    async def scenario() -> None:
+        worker = Worker(db_url, "w17", 4, 60, get_logger(test=True))
+        for row in reversed(claimed):
+            worker._unrecorded.add((row["id"], 1))  # ended, result not written yet
+        aconn = await worker._connect()
+        try:
+            before = conn.execute(expiry, (ids,)).fetchall()
+            await worker._flushing.acquire()  # a finish batch in flight
+            beat = asyncio.create_task(worker._beat(aconn))
+            await asyncio.sleep(0.3)
+            assert not beat.done()
+            assert conn.execute(expiry, (ids,)).fetchall() == before  # nothing renewed yet
+            worker._flushing.release()
+            await asyncio.wait_for(beat, 5)
+        finally:
+            await aconn.close()
+        after = conn.execute(expiry, (ids,)).fetchall()
+        assert all(a["lease_expires_at"] > b["lease_expires_at"]
+                   for a, b in zip(after, before, strict=True))
+
+    asyncio.run(scenario())
+    conn.execute("UPDATE pgflow.runs SET state = 'cancelled', finished_at = now(),"
+                 " lease_owner = NULL, lease_expires_at = NULL WHERE id = ANY(%s)", (ids,))
+
+
 def test_an_error_postgresql_cannot_store_is_still_recorded(conn: Conn,
                                                             worker: WorkerThread) -> None:
     add_job(conn, "odd", entrypoint="fencefuncs:surrogate_error")
