@@ -1,4 +1,4 @@
--- A claim no longer adds an entry to runs_job_idx (issue 16: about 3 µs of PostgreSQL's
+-- A claim no longer adds an entry to runs_job_idx (issue 16: 2 to 3 µs of PostgreSQL's
 -- CPU a run in the bare claim/finish loop, one of the ten index entries a run's two
 -- transitions and its attempt write). Running runs get their own index, keyed like
 -- runs_job_idx, which takes the place of runs_owner_idx (lease_owner): the claim still
