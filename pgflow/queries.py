@@ -39,7 +39,10 @@ def expand(body: str, fragments: dict[str, str]) -> str:
     def fragment(match: re.Match[str]) -> str:
         if match.group(1) not in fragments:
             raise ValueError(f"no fragment named {match.group(1)!r}")
-        return fragments[match.group(1)]
+        text = fragments[match.group(1)]
+        if _INCLUDE.search(text):  # expanded once: an include in it would stay a comment
+            raise ValueError(f"fragment {match.group(1)!r} includes another fragment")
+        return text
     return _INCLUDE.sub(fragment, body)
 
 

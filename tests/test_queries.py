@@ -27,6 +27,14 @@ def test_an_unknown_fragment_is_an_error() -> None:
         expand("SELECT 1\n-- include: nope", {})
 
 
+def test_a_fragment_that_includes_another_is_an_error() -> None:
+    """Fragments are expanded once, into statements: an include inside one would be
+    sent as a comment, its SQL silently missing."""
+    with pytest.raises(ValueError, match="fragment 'outer' includes another fragment"):
+        expand("SELECT 1\n-- include: outer", {"outer": "WHERE true\n-- include: inner",
+                                               "inner": "AND true"})
+
+
 def test_every_claim_ends_with_the_one_claim_step() -> None:
     for name in ("claim_runs", "claim_capped_runs", "claim_probe"):
         text = q(name)

@@ -399,8 +399,11 @@ def test_a_renewal_waits_for_the_finish_batch_in_flight(conn: Conn, db_url: str)
             before = conn.execute(expiry, (ids,)).fetchall()
             await worker._flushing.acquire()  # a finish batch in flight
             beat = asyncio.create_task(worker._beat(aconn))
-            await asyncio.sleep(0.3)
-            assert not beat.done()
+            for _ in range(100):  # until the renewal queues for the lock (it then waits 1 s)
+                if worker._flushing._waiters:  # type: ignore[attr-defined]
+                    break
+                await asyncio.sleep(0.01)
+            assert worker._flushing._waiters and not beat.done()  # type: ignore[attr-defined]
             assert conn.execute(expiry, (ids,)).fetchall() == before  # nothing renewed yet
             worker._flushing.release()
             await asyncio.wait_for(beat, 5)

@@ -35,25 +35,21 @@ WHERE id < coalesce(%(before_id)s::bigint, 9223372036854775807)
 ORDER BY id DESC
 LIMIT %(limit)s
 
--- fragment: run_job_filters
--- A job's runs below the cursor, optionally in one state (runs_list_by_job).
-WHERE job = %(job)s
-  AND id < coalesce(%(before_id)s::bigint, 9223372036854775807)
-  AND (%(state)s::text IS NULL OR state = %(state)s)
+-- fragment: runs_of_job
+-- The runs of job %(job)s as one table: those not running (runs_job_idx) and the running
+-- ones (runs_running_idx: a claim writes no runs_job_idx entry, migration 0023). The
+-- planner pushes a listing's conditions into both arms and merges them by id.
+(SELECT * FROM pgflow.runs WHERE job = %(job)s AND state <> 'running'
+ UNION ALL
+ SELECT * FROM pgflow.runs WHERE job = %(job)s AND state = 'running') AS runs
 
 -- name: runs_list_by_job
--- The runs not running (runs_job_idx) and the running ones (runs_running_idx), merged
--- by id.
+-- A job's runs newest first (runs_of_job).
 -- include: run_columns
-FROM pgflow.runs
--- include: run_job_filters
-  AND state <> 'running'
-  -- include: run_list_filters
-UNION ALL
--- include: run_columns
-FROM pgflow.runs
--- include: run_job_filters
-  AND state = 'running'
+FROM
+-- include: runs_of_job
+WHERE id < coalesce(%(before_id)s::bigint, 9223372036854775807)
+  AND (%(state)s::text IS NULL OR state = %(state)s)
   -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -76,13 +72,9 @@ LIMIT %(limit)s
 -- branch taken runs (each subquery is an init plan).
 SELECT CASE
     WHEN %(job)s::text IS NOT NULL THEN
-        (SELECT id FROM (
-             SELECT id FROM pgflow.runs
-             WHERE job = %(job)s AND state <> 'running' AND id < %(before_id)s
-             UNION ALL
-             SELECT id FROM pgflow.runs
-             WHERE job = %(job)s AND state = 'running' AND id < %(before_id)s) j
-         ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
+        (SELECT id FROM
+         -- include: runs_of_job
+         WHERE id < %(before_id)s ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
     WHEN %(state)s::text IS NOT NULL THEN
         (SELECT id FROM pgflow.runs WHERE state = %(state)s AND id < %(before_id)s
          ORDER BY id DESC OFFSET %(scan)s LIMIT 1)
@@ -107,20 +99,12 @@ ORDER BY id DESC
 LIMIT %(limit)s
 
 -- name: runs_page_of_job
--- runs_page of one job: its runs not running (runs_job_idx) and its running ones
--- (runs_running_idx), merged by id.
+-- runs_page of one job (runs_of_job).
 -- include: run_columns
      , progress, progress_message
-FROM pgflow.runs
+FROM
+-- include: runs_of_job
 -- include: run_page_filters
-  AND job = %(job)s AND state <> 'running'
-  -- include: run_list_filters
-UNION ALL
--- include: run_columns
-     , progress, progress_message
-FROM pgflow.runs
--- include: run_page_filters
-  AND job = %(job)s AND state = 'running'
   -- include: run_list_filters
 ORDER BY id DESC
 LIMIT %(limit)s

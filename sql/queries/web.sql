@@ -63,9 +63,8 @@ WHERE r.id = %(id)s
 -- The job's latest %(runs)s runs by state, and their finished attempts' durations
 -- (runs_job_idx and runs_running_idx merged by id, then the attempts' primary key).
 WITH recent AS (
-    SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND state <> 'running'
-    UNION ALL
-    SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND state = 'running'
+    SELECT id, state FROM
+    -- include: runs_of_job
     ORDER BY id DESC LIMIT %(runs)s
 )
 SELECT (SELECT coalesce(jsonb_object_agg(state, n), '{}')
