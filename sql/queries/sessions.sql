@@ -10,7 +10,13 @@ SET jit = off
 -- Worker and reaper sessions: no statement, and no transaction left idle, outlasts
 -- %(timeout)s; a client that vanished mid-statement is noticed within a second (PG 14+);
 -- server-side TCP probes like the client's (ignored on a unix socket). JIT off as everywhere.
-SELECT set_config('jit', 'off', false),
+-- Times in UTC whatever the server's zone: a job's logical time is a UTC datetime (as
+-- PGFLOW_LOGICAL_TIME spells it), and psycopg loads and dumps those with datetime's own
+-- UTC, where a named zone ('Etc/UTC', a Debian server's default) cost 0.2 to 0.3 µs a
+-- value (0.7 µs a run at the claim and the finish, issue 16). Nothing in these sessions
+-- depends on the zone (date_trunc to the second only).
+SELECT set_config('TimeZone', 'UTC', false),
+       set_config('jit', 'off', false),
        set_config('statement_timeout', %(timeout)s, false),
        set_config('idle_in_transaction_session_timeout', %(timeout)s, false),
        set_config('client_connection_check_interval', '1s', false),
