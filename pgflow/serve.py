@@ -45,6 +45,7 @@ from pgflow.worker import Worker
 # replica's CPU in a burst of no-op runs (py-spy, issue 16).
 YOUNG_COLLECTION_ALLOCATIONS = 50_000
 
+
 @dataclass(frozen=True)
 class ServeOptions:
     url: str
