@@ -188,6 +188,27 @@ def test_claim_respects_priority(conn: Conn, db_url: str, tmp_path: Path) -> Non
     assert [int(line.split()[0]) for line in path.read_text().splitlines()] == [high, low]
 
 
+def test_a_job_sees_its_logical_time_in_utc_whatever_the_servers_zone(
+        conn: Conn, db_url: str, tmp_path: Path) -> None:
+    """Worker sessions set TimeZone to UTC (sql/queries/sessions.sql): ctx.logical_time
+    is a UTC datetime, as PGFLOW_LOGICAL_TIME is, on a server whose sessions default to
+    another zone."""
+    name = conn.execute("SELECT current_database() AS d").fetchone()["d"]  # type: ignore[index]
+    conn.execute(f"ALTER DATABASE {name} SET timezone = 'America/New_York'")
+    path = tmp_path / "seen"
+    add_job(conn, "t", entrypoint="jobfuncs:record", params={"path": str(path)})
+    run_id = enqueue(conn, "t")
+    handle = WorkerThread(db_url, concurrency=1)
+    try:
+        wait_for(lambda: finished(conn, run_id))
+    finally:
+        handle.stop()
+    [line] = path.read_text().splitlines()
+    seen = line.split()[2]
+    assert seen.endswith("+00:00"), seen
+    assert datetime.fromisoformat(seen) == run_row(conn, run_id)["logical_time"]
+
+
 def test_claim_query_is_an_index_scan_with_many_finished_runs(conn: Conn) -> None:
     conn.execute(
         "INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant,"
