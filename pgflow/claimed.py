@@ -43,13 +43,21 @@ class Claimed(NamedTuple):
 
 def named_rows(cls: type[R]) -> Callable[[Any], Callable[[Sequence[Any]], R]]:
     """A psycopg row factory making one ``cls`` (a NamedTuple whose fields are the
-    statement's columns, in order) per row, by ``tuple.__new__``: no Python call per row."""
+    statement's columns, in order) per row, by ``tuple.__new__``: no Python call per row.
+    The columns are checked on every result, by their names as the result holds them
+    (1 µs; ``cursor.description`` took 15 µs a claim, issue 16)."""
+    fields: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
+    expected = tuple(name.encode() for name in fields)
+    make = partial(tuple.__new__, cls)
+
     def factory(cursor: Any) -> Callable[[Sequence[Any]], R]:
-        names = tuple(column.name for column in cursor.description or ())
-        if names and names != cls._fields:  # type: ignore[attr-defined]
-            raise RuntimeError(f"columns {names} are not {cls.__name__}'s"
-                               f" {cls._fields}")  # type: ignore[attr-defined]
-        return partial(tuple.__new__, cls)
+        result = cursor.pgresult
+        if result is not None and result.nfields:
+            names = tuple(result.fname(i) for i in range(result.nfields))
+            if names != expected:
+                raise RuntimeError(f"columns {tuple(n.decode() for n in names)} are not"
+                                   f" {cls.__name__}'s {fields}")
+        return make
     return factory
 
 

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import psycopg
 import pytest
@@ -17,6 +17,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from pgflow import queue, reaper, registry, retry
+from pgflow.claimed import named_rows
 from pgflow.queries import q
 from pgflow.queue import NO_OFFER, Finish
 from pgflow.spec import JobSpec
@@ -300,3 +301,18 @@ def test_a_claim_plan_made_on_an_empty_queue_is_replaced_after_a_replan(db_url: 
 
 def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node] + [n for child in node.get("Plans", []) for n in _nodes(child)]
+
+
+class _Pair(NamedTuple):
+    id: int
+    state: str
+
+
+def test_named_rows_load_tuples_and_refuse_columns_out_of_order(conn: Conn) -> None:
+    cur = conn.cursor(row_factory=named_rows(_Pair))
+    rows = cur.execute("SELECT g AS id, 'x' || g AS state FROM generate_series(1, 2) g"
+                       ).fetchall()
+    assert rows == [_Pair(1, "x1"), _Pair(2, "x2")] and rows[1].state == "x2"
+    cur.execute("UPDATE pgflow.jobs SET priority = 0 WHERE false")  # no result: nothing to check
+    with pytest.raises(RuntimeError, match=r"columns \('state', 'id'\) are not _Pair's"):
+        cur.execute("SELECT 'x' AS state, 1 AS id").fetchall()
