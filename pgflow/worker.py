@@ -223,19 +223,22 @@ class Worker:
         abandoned sync jobs take a slot each."""
         return self.concurrency - len(self.active) - self._abandoned
 
-    async def _connect(self, *, listen: bool = False,
-                       generic_plans: bool = False) -> psycopg.AsyncConnection[Any]:
+    async def _connect(self, *, listen: bool = False, generic_plans: bool = False,
+                       prepare_at_once: bool = False) -> psycopg.AsyncConnection[Any]:
         """A session for claims, renewals and completions, through the pooler when there is
         one; with ``listen``, the LISTEN session: always direct (a session of its own).
-        ``generic_plans``: the claim session, which plans its statements once (a direct
-        session only: sql/queries/sessions.sql)."""
+        ``prepare_at_once``: a direct session prepares each statement on its first use, not
+        its fifth (the claim writes its limit into the text, a text per limit; the first
+        finish of a burst). ``generic_plans``: the claim session, which also plans its
+        statements once (sql/queries/sessions.sql). A pooled session does neither."""
         pooler = None if listen else self.pooler_url
         conn = await connect_async(pooler or self.url, "worker-listen" if listen else "worker",
                                    statement_timeout=self._statement_s,
                                    connect_timeout=min(10.0, self._bound_s),
                                    pooled=pooler is not None)
+        if pooler is None and (prepare_at_once or generic_plans):
+            conn.prepare_threshold = 0
         if generic_plans and pooler is None:
-            conn.prepare_threshold = 0  # each claim limit is a text of its own: plan it once
             try:
                 await bounded(conn, conn.execute(q("generic_plans")), self._bound_s, "connect")
             except BaseException:
@@ -553,11 +556,9 @@ class Worker:
         """The session that records results, opened before the first result and warmed by
         an empty finish: connecting (4 to 10 ms here) and a cold backend's first finish (5
         to 9 ms, against 2 to 3 once warm) were on the path of the first batch of a tick's
-        burst (issue 16). Direct, it prepares each statement at once."""
-        conn = await self._connect()
+        burst (issue 16)."""
+        conn = await self._connect(prepare_at_once=True)
         try:
-            if self.pooler_url is None:
-                conn.prepare_threshold = 0
             await bounded(conn, queue.finish(conn, []), self._bound_s, "finish")
         except BaseException:
             await _close(conn)

@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 import pytest
 from engine import WorkerThread, add_job, attempts, enqueue, run_row, wait_for
+from psycopg import sql
 
 from pgflow import queue, reaper, registry
 from pgflow.queries import q
@@ -194,7 +195,8 @@ def test_a_job_sees_its_logical_time_in_utc_whatever_the_servers_zone(
     is a UTC datetime, as PGFLOW_LOGICAL_TIME is, on a server whose sessions default to
     another zone."""
     name = conn.execute("SELECT current_database() AS d").fetchone()["d"]  # type: ignore[index]
-    conn.execute(f"ALTER DATABASE {name} SET timezone = 'America/New_York'")
+    conn.execute(sql.SQL("ALTER DATABASE {} SET timezone = 'America/New_York'").format(
+        sql.Identifier(name)))
     path = tmp_path / "seen"
     add_job(conn, "t", entrypoint="jobfuncs:record", params={"path": str(path)})
     run_id = enqueue(conn, "t")
