@@ -36,6 +36,9 @@ class Claimed(NamedTuple):
     jitter: bool | None
     no_retry_exit_codes: list[int] | None
     sources: list[str] | None
+    # a success needs nothing after its finish (no backfill, no downstream job): recorded
+    # without a transaction (queue.finish); False when not known (a handoff)
+    plain: bool = False
 
     def __getitem__(self, key: Any) -> Any:
         return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)

@@ -18,7 +18,10 @@ Five loops share a replica's worker state:
   that leaves slots free offers them to triggers (pgflow/handoff.py);
 - complete: results are buffered and written by one ``finish_attempts`` statement
   per flush; while a flush is in flight the next batch gathers (group commit),
-  so latency is one round-trip when idle and batches grow under load;
+  so latency is one round-trip when idle and batches grow under load. Successes
+  that need nothing after them (no downstream job, no backfill, no breaker: the
+  claim's ``plain`` hint, checked again by the statement) are written without a
+  transaction around the statement; the other results in one transaction;
 - heartbeat: every TTL/3 one ``renew_leases`` statement renews exactly the
   (run, attempt) pairs this worker holds. A pair that is not returned was taken
   from us (the reaper saw the lease expire): its attempt is stopped and its result
@@ -529,7 +532,7 @@ class Worker:
         return Finish(row.id, row.attempt, self.id, decision.state, result.outcome,
                       row.attempt_started_at, decision.delay_s, result.exit_code,
                       result.error, result.stdout_tail, result.stderr_tail, sources,
-                      unavailable)
+                      unavailable, False, row.plain)
 
     def _record(self, finish: Finish) -> None:
         self._unrecorded.add((finish.run_id, finish.attempt))
@@ -608,15 +611,27 @@ class Worker:
         """Record ``batch``. When the database refuses it while the connection stays
         healthy, the batch itself is at fault (too big, a value it cannot store): it is
         split in halves, and a result refused alone is recorded with less of its output,
-        so one poisonous result cannot hold back the others forever."""
+        so one poisonous result cannot hold back the others forever.
+
+        Successes that need nothing after them are written first by a statement of their
+        own (``queue.finish_plain``, no transaction); the rest in one transaction."""
+        rest = batch
         try:
-            done = await bounded(conn, queue.finish(conn, batch), self._bound_s, "finish")
+            done = await bounded(conn, queue.finish_plain(conn, batch), self._bound_s,
+                                 "finish")
+            if done:
+                rest = [f for f in batch if f.run_id not in done]
+                self._written([f for f in batch if f.run_id in done], done)
+            if rest:
+                self._written(rest, await bounded(conn, queue.finish(conn, rest),
+                                                  self._bound_s, "finish"))
         except psycopg.Error as exc:
             if conn.closed or conn.broken or not _refusal(exc):
                 raise  # the connection's or the moment's trouble: retry the batch as is
-            await self._refused(conn, batch, exc)
-            return
-        for finish in batch:
+            await self._refused(conn, rest, exc)
+
+    def _written(self, finishes: list[Finish], done: dict[int, str]) -> None:
+        for finish in finishes:
             self._unrecorded.discard((finish.run_id, finish.attempt))
             self._report(finish, done.get(finish.run_id))
 

@@ -316,3 +316,72 @@ def test_named_rows_load_tuples_and_refuse_columns_out_of_order(conn: Conn) -> N
     cur.execute("UPDATE pgflow.jobs SET priority = 0 WHERE false")  # no result: nothing to check
     with pytest.raises(RuntimeError, match=r"columns \('state', 'id'\) are not _Pair's"):
         cur.execute("SELECT 'x' AS state, 1 AS id").fetchall()
+
+
+# ---------------------------------------------------------------- successes without a transaction
+
+
+def test_the_claim_hints_which_successes_need_nothing_after_them(conn: Conn) -> None:
+    """A run with neither a downstream job nor a backfill may be recorded alone
+    (queue.finish_plain); the others need the transactional finish."""
+    add_job(conn, "solo", entrypoint="jobfuncs:noop")
+    add_job(conn, "up", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    add_job(conn, "down", entrypoint="jobfuncs:noop", depends_on=["up"])
+    enqueue(conn, "solo", at=T0)
+    start_dag(conn, ["up"], T0)
+    assert {row["job"]: row["plain"] for row in claim(conn, "w")} == {"solo": True,
+                                                                     "up": False}
+
+
+def plain_ending(row: dict[str, Any]) -> Finish:
+    return dataclasses.replace(ending(row, "succeeded", "succeeded"), plain=True)
+
+
+def test_a_plain_success_is_recorded_alone_and_a_stale_hint_falls_back(
+        conn: Conn, db_url: str) -> None:
+    """finish_plain ends the runs that need nothing after them, in one statement; a run
+    whose job gained a downstream job since its claim (the hint is stale) stays running
+    for queue.finish, which queues its downstream run; a result whose lease is gone ends
+    nothing either way."""
+    add_job(conn, "solo", entrypoint="jobfuncs:noop")
+    add_job(conn, "up", entrypoint="jobfuncs:noop", schedule="0 * * * *")
+    add_job(conn, "lost", entrypoint="jobfuncs:noop")
+    enqueue(conn, "solo", at=T0)
+    enqueue(conn, "lost", at=T0)
+    start_dag(conn, ["up"], T0)
+    rows = {row["job"]: row for row in claim(conn, "w")}
+    assert all(row["plain"] for row in rows.values())
+    # The DAG is edited while the runs execute: up gains a downstream run waiting for it.
+    add_job(conn, "down", entrypoint="jobfuncs:noop", depends_on=["up"])
+    [down] = start_dag(conn, ["down"], T0, downstream=False).values()
+    conn.execute("UPDATE pgflow.runs SET state = 'pending' WHERE id = %s", (down,))
+    conn.execute("UPDATE pgflow.runs SET lease_owner = 'other' WHERE id = %s",
+                 (rows["lost"]["id"],))
+    finishes = [plain_ending(rows[job]) for job in ("solo", "up", "lost")]
+
+    alone = on(db_url, lambda c: queue.finish_plain(c, finishes))
+    assert alone == {rows["solo"]["id"]: "succeeded"}
+    assert run_row(conn, rows["up"]["id"])["state"] == "running"
+    assert [a["outcome"] for a in attempts(conn, rows["solo"]["id"])] == ["succeeded"]
+
+    rest = on(db_url, lambda c: queue.finish(c, finishes[1:]))
+    assert rest == {rows["up"]["id"]: "succeeded"}
+    assert run_row(conn, down)["state"] == "queued"
+    assert run_row(conn, rows["lost"]["id"])["state"] == "running"
+    conn.execute("UPDATE pgflow.runs SET lease_owner = 'w' WHERE id = %s",
+                 (rows["lost"]["id"],))  # let the end-of-test check find it unstuck
+    assert on(db_url, lambda c: queue.finish(c, [finishes[2]])) == {
+        rows["lost"]["id"]: "succeeded"}
+
+
+@pytest.mark.parametrize("change", [
+    {"state": "retrying", "outcome": retry.FAILED},
+    {"sources": ("warehouse",)},
+    {"unavailable": ("warehouse",), "state": "retrying", "outcome": retry.FAILED},
+    {"plain": False},
+])
+def test_only_successes_that_need_nothing_after_them_are_recorded_alone(
+        change: dict[str, Any]) -> None:
+    finish = Finish(1, 1, "w", "succeeded", "succeeded", T0, plain=True)
+    assert queue.needs_nothing_after(finish)
+    assert not queue.needs_nothing_after(dataclasses.replace(finish, **change))

@@ -17,7 +17,8 @@ claimed AS (
     -- hash of the whole table, read on every claim.
     WHERE r.id = ANY (ARRAY(SELECT id FROM picked))
     RETURNING r.id, r.job, r.logical_time, r.attempt, r.max_attempts, r.params,
-              r.attempt_started_at, r.cancel_requested, r.trigger, r.checkpoint
+              r.attempt_started_at, r.cancel_requested, r.trigger, r.checkpoint,
+              r.backfill_id
 )
 SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS params,
        c.attempt_started_at, c.checkpoint::text AS checkpoint,
@@ -29,7 +30,15 @@ SELECT c.id, c.job, c.logical_time, c.attempt, c.max_attempts, c.params::text AS
            FROM pgflow.dataset_deliveries d JOIN pgflow.dataset_events e ON e.id = d.event_id
            WHERE d.run_id = c.id) END AS trigger_events,
        c.cancel_requested, j.command, j.entrypoint, j.timeout_s, j.backoff_s, j.max_backoff_s,
-       j.jitter, j.no_retry_exit_codes, j.sources
+       j.jitter, j.no_retry_exit_codes, j.sources,
+       -- whether a success of this attempt needs nothing after its finish (no backfill, no
+       -- downstream job): the worker records such successes without a transaction
+       -- (finish_attempts in plain mode); a hint only, the finish checks again. The probe
+       -- of job_deps is made only while some dependency exists (evaluated once).
+       c.backfill_id IS NULL
+           AND NOT ((SELECT EXISTS (SELECT 1 FROM pgflow.job_deps))
+                    AND EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = c.job))
+           AS plain
 FROM claimed c
 LEFT JOIN pgflow.jobs j ON j.name = c.job
 
@@ -388,12 +397,16 @@ WITH result AS (
         AS t(id bigint, attempt int, owner text, state text, delay_s float8, outcome text,
              started_at timestamptz, exit_code int, error text, stdout_tail text,
              stderr_tail text, refund boolean)
+        CROSS JOIN (SELECT %(plain)s::boolean AS plain) m
     UNION ALL
     SELECT s.id, s.attempt, %(ok_owner)s::text, 'succeeded', 0::float8, 'succeeded',
-           s.started_at, s.exit_code, NULL, NULL, NULL, false
+           s.started_at, s.exit_code, NULL, NULL, NULL, false, %(plain)s::boolean
     FROM unnest(%(ok_ids)b::bigint[], %(ok_attempts)b::int[],
                 %(ok_started)b::timestamptz[], %(ok_exit_codes)b::int[])
         AS s(id, attempt, started_at, exit_code)
+), dag AS (
+    -- evaluated once: without any dependency, no probe of job_deps per finished run
+    SELECT EXISTS (SELECT 1 FROM pgflow.job_deps) AS any_dependency
 ), finished AS (
     UPDATE pgflow.runs r
     SET state = CASE WHEN r.cancel_requested AND res.state <> 'succeeded' THEN 'cancelled'
@@ -421,6 +434,18 @@ WITH result AS (
     WHERE r.id = ANY (ARRAY(SELECT id FROM result)) AND r.id = res.id
       AND r.attempt IS NOT DISTINCT FROM res.attempt
       AND r.lease_owner IS NOT DISTINCT FROM res.owner AND r.state IS NOT DISTINCT FROM 'running'
+      -- plain mode (a statement of its own, no transaction around it): only successes whose
+      -- finish needs nothing after it, no backfill to complete and no downstream job (in
+      -- this statement's snapshot, as the candidates and downstream below read them); the
+      -- others stay running for the caller's transactional finish (pgflow/queue.py)
+      -- (tested with res.plain, a column of the materialized result: with the parameter
+      -- itself, the plan made for plain mode expected one run and probed the whole
+      -- result once per run, 12 s a batch of 5,000)
+      AND (NOT res.plain
+           OR (res.state = 'succeeded' AND NOT res.refund AND r.backfill_id IS NULL
+               AND NOT ((SELECT any_dependency FROM dag)
+                        AND EXISTS (SELECT 1 FROM pgflow.job_deps d
+                                    WHERE d.upstream = r.job))))
     RETURNING r.id, r.state, r.job, r.logical_time, r.backfill_id
 ), recorded AS (
     INSERT INTO pgflow.attempts (run_id, attempt, worker_id, started_at, finished_at, outcome,
@@ -453,10 +478,7 @@ WITH result AS (
     RETURNING id, dataset
 ),
 -- include: deliver_events
-, dag AS (
-    -- evaluated once: without any dependency, no probe of job_deps per finished run
-    SELECT EXISTS (SELECT 1 FROM pgflow.job_deps) AS any_dependency
-), candidates AS (
+, candidates AS (
     SELECT p.id
     FROM finished f
     JOIN pgflow.job_deps d ON d.upstream = f.job
