@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -13,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import structlog
 from engine import WorkerThread, add_job, attempts, enqueue, run_row, wait_for
 from psycopg import sql
 
@@ -315,6 +317,22 @@ def test_completion_batches_are_bounded_by_size() -> None:
         batches.append(worker._next_batch())
     assert sum(len(b) for b in batches) == 200 and len(batches) > 1
     assert all(sum(queue.result_size(f) for f in b) <= MAX_FLUSH_CHARS for b in batches)
+
+
+@pytest.mark.parametrize(("level", "logged"), [(logging.DEBUG, ["succeeded", "failed"]),
+                                               (logging.INFO, ["failed"])])
+def test_recorded_successes_are_logged_only_at_debug_level(level: int,
+                                                           logged: list[str]) -> None:
+    from pgflow.worker import Worker
+
+    capture = structlog.testing.LogCapture()
+    log = structlog.wrap_logger(None, processors=[capture],
+                                wrapper_class=structlog.make_filtering_bound_logger(level))
+    worker = Worker("postgresql:///unused", "w", 4, 30, log)
+    for run_id, outcome in enumerate(("succeeded", "failed"), start=1):
+        worker._report(Finish(run_id, 1, "w", outcome, outcome, None), outcome)
+    assert [(e["event"], e["outcome"]) for e in capture.entries] == [
+        ("attempt finished", outcome) for outcome in logged]
 
 
 def test_a_result_the_database_refuses_does_not_hold_back_the_others(conn: Conn,
