@@ -208,6 +208,9 @@ def probes(live: dict[str, Any]) -> dict[str, tuple[list[tuple[str, dict[str, An
         "renew_release": ([], "renew_leases", {"worker": WORKER, "ttl": 30.0,
                                                "release": True, **held}),
         "finish_batch": ([], "finish_attempts", _finish_batch(running, "noop")),
+        # the same successes as most are written (queue.finish_plain)
+        "finish_plain": ([], "finish_attempts", {**_finish_batch(running, "noop"),
+                                                 "plain": True}),
         "finish_upstreams": ([], "finish_attempts", ups),
         "dependency_hop": ([("finish_attempts", ups)], "queue_ready_runs",
                            {"ids": live["pending_down"],

@@ -37,7 +37,7 @@ class Claimed(NamedTuple):
     no_retry_exit_codes: list[int] | None
     sources: list[str] | None
     # a success needs nothing after its finish (no backfill, no downstream job): recorded
-    # without a transaction (queue.finish); False when not known (a handoff)
+    # without a transaction (queue.finish_plain); False when not known (a handoff)
     plain: bool = False
 
     def __getitem__(self, key: Any) -> Any:
