@@ -178,3 +178,10 @@ async def bounded(conn: psycopg.AsyncConnection[Any], work: Awaitable[T], timeou
     with contextlib.suppress(BaseException):
         await task
     raise StatementTimeout(f"{what}: no answer from the database within {timeout:g}s")
+
+
+async def close_async(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    """Close ``conn`` if there is one, whatever state it is in."""
+    if conn is not None:
+        with contextlib.suppress(psycopg.Error):
+            await conn.close()

@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from pgflow import queue, retry
-from pgflow.db import bounded, connect_async
+from pgflow.db import bounded, close_async, connect_async
 from pgflow.queries import q
 from pgflow.queue import Finish
 
@@ -71,30 +71,27 @@ async def run_reaper(url: str, lease_ttl: float, stop: asyncio.Event, log: Any, 
     statement_s = max(1.0, lease_ttl)  # a reap pass is worthless once it outlasts a lease
     conn: psycopg.AsyncConnection[Any] | None = None
     failures = 0
-    while not stop.is_set():
-        try:
-            if conn is None or conn.closed:
-                conn = await connect_async(url, "reaper", statement_timeout=statement_s,
-                                           pooled=pooled)
-            while (found := await bounded(conn, run_once(conn), statement_s + 2, "reap")).reaped:
-                log.info("reaped expired leases", reaped=found.reaped, retried=found.retried,
-                         failed=found.failed)
-            await bounded(conn, forget_dead_replicas(conn), statement_s + 2, "reap")
-            failures = 0
-        except psycopg.Error as exc:
-            failures += 1
-            log.warning("reaper: database error, retrying", error=str(exc).strip())
-            await _close(conn)
-            conn = None
-        delay = interval if not failures else min(5.0, 0.2 * 2**failures)
-        await _sleep_until(stop, delay * random.uniform(0.8, 1.2))
-    await _close(conn)
-
-
-async def _close(conn: psycopg.AsyncConnection[Any] | None) -> None:
-    if conn is not None:
-        with contextlib.suppress(psycopg.Error):
-            await conn.close()
+    try:
+        while not stop.is_set():
+            try:
+                if conn is None or conn.closed:
+                    conn = await connect_async(url, "reaper", statement_timeout=statement_s,
+                                               pooled=pooled)
+                while (found := await bounded(conn, run_once(conn), statement_s + 2,
+                                              "reap")).reaped:
+                    log.info("reaped expired leases", reaped=found.reaped,
+                             retried=found.retried, failed=found.failed)
+                await bounded(conn, forget_dead_replicas(conn), statement_s + 2, "reap")
+                failures = 0
+            except psycopg.Error as exc:
+                failures += 1
+                log.warning("reaper: database error, retrying", error=str(exc).strip())
+                await close_async(conn)
+                conn = None
+            delay = interval if not failures else min(5.0, 0.2 * 2**failures)
+            await _sleep_until(stop, delay * random.uniform(0.8, 1.2))
+    finally:
+        await close_async(conn)  # also when a bug ends the role (serve restarts it)
 
 
 async def _sleep_until(stop: asyncio.Event, seconds: float) -> None:

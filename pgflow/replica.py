@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from pgflow import __version__
-from pgflow.db import bounded, connect_async
+from pgflow.db import bounded, close_async, connect_async
 from pgflow.queries import q
 
 ROLES = ("scheduler", "worker", "reaper", "web")
@@ -44,20 +44,27 @@ async def run_heartbeat(url: str, replica: Replica, lease_ttl: float, stop: asyn
     (``pooled``: ``url`` is PgBouncer's)."""
     conn: psycopg.AsyncConnection[Any] | None = None
     failures = 0
-    while not stop.is_set():
-        try:
-            conn = conn or await connect_async(url, "replica", pooled=pooled)
-            await bounded(conn, conn.execute(q("heartbeat_replica"), {
-                **replica.params(), "stopping": stopping.is_set()}), lease_ttl, "replica heartbeat")
-            failures = 0
-        except psycopg.Error as exc:
-            failures += 1
-            log.warning("replica heartbeat: database error, retrying", error=str(exc).strip())
-            conn = None
-        pause = lease_ttl / 3 if not failures else min(lease_ttl / 3, 0.2 * 2**failures)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), pause)
-    if conn is not None:
-        with contextlib.suppress(psycopg.Error):
-            await conn.execute(q("deregister_replica"), {"id": replica.id})
-            await conn.close()
+    try:
+        while not stop.is_set():
+            try:
+                conn = conn or await connect_async(url, "replica", pooled=pooled)
+                await bounded(conn, conn.execute(q("heartbeat_replica"), {
+                    **replica.params(), "stopping": stopping.is_set()}), lease_ttl,
+                    "replica heartbeat")
+                failures = 0
+            except psycopg.Error as exc:
+                failures += 1
+                log.warning("replica heartbeat: database error, retrying",
+                            error=str(exc).strip())
+                await close_async(conn)
+                conn = None
+            pause = lease_ttl / 3 if not failures else min(lease_ttl / 3, 0.2 * 2**failures)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                await conn.execute(q("deregister_replica"), {"id": replica.id})
+    finally:
+        await close_async(conn)  # also when a bug ends the role (serve restarts it)
+
+

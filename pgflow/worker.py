@@ -80,7 +80,7 @@ import psycopg
 
 from pgflow import breakers, handoff, live, queue, retry
 from pgflow.claimed import Claimed
-from pgflow.db import StatementTimeout, bounded, connect_async
+from pgflow.db import StatementTimeout, bounded, close_async, connect_async
 from pgflow.executor import KILL_GRACE_S, AttemptResult, Execution, Job
 from pgflow.log import LazyLogger
 from pgflow.queries import q
@@ -249,7 +249,7 @@ class Worker:
             try:
                 await bounded(conn, conn.execute(q("generic_plans")), self._bound_s, "connect")
             except BaseException:
-                await _close(conn)
+                await close_async(conn)
                 raise
         return conn
 
@@ -257,35 +257,37 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
-        failures = 0
-        while self._claiming:
-            free = min(self.free_slots(), MAX_CLAIM)
-            if free <= 0:
-                await _wait(self._wake, POLL_S)
-                continue
-            try:
-                if conn is None:
-                    conn = await self._connect(generic_plans=True)
-                    self._planned_at = time.monotonic()
-                self._wake.clear()
-                async with self._claim_gate:
-                    self._claim_in_flight = True
-                    try:
-                        claimed = await self._claim(conn, free)
-                    finally:
-                        self._claim_in_flight = False
-                        self._take_deferred()
-                await self._replan_if_stale(conn, backlog=claimed >= free)
-                failures = 0
-            except psycopg.Error as exc:
-                conn, failures = await self._db_error("claim", exc, conn, failures)
-                continue
-            if claimed < free and self._claiming:
-                await _wait(self._wake, POLL_S)
-        if conn is not None:  # draining: triggers hand us nothing more
-            with contextlib.suppress(psycopg.Error):
-                await bounded(conn, queue.withdraw_offer(conn, self.id), self._bound_s, "claim")
-        await _close(conn)
+        try:
+            failures = 0
+            while self._claiming:
+                free = min(self.free_slots(), MAX_CLAIM)
+                if free <= 0:
+                    await _wait(self._wake, POLL_S)
+                    continue
+                try:
+                    if conn is None:
+                        conn = await self._connect(generic_plans=True)
+                        self._planned_at = time.monotonic()
+                    self._wake.clear()
+                    async with self._claim_gate:
+                        self._claim_in_flight = True
+                        try:
+                            claimed = await self._claim(conn, free)
+                        finally:
+                            self._claim_in_flight = False
+                            self._take_deferred()
+                    await self._replan_if_stale(conn, backlog=claimed >= free)
+                    failures = 0
+                except psycopg.Error as exc:
+                    conn, failures = await self._db_error("claim", exc, conn, failures)
+                    continue
+                if claimed < free and self._claiming:
+                    await _wait(self._wake, POLL_S)
+            if conn is not None:  # draining: triggers hand us nothing more
+                with contextlib.suppress(psycopg.Error):
+                    await bounded(conn, queue.withdraw_offer(conn, self.id), self._bound_s, "claim")
+        finally:
+            await close_async(conn)  # also when a bug ends the loop (_supervise restarts it)
 
     async def _replan_if_stale(self, conn: psycopg.AsyncConnection[Any], *,
                                backlog: bool) -> None:
@@ -547,17 +549,20 @@ class Worker:
 
     async def _complete_loop(self) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
-        failures = 0
-        while True:
-            try:
-                conn = conn or await self._complete_session()
-                await self._flush.wait()
-                self._flush.clear()
-                await self._flush_once(conn)
-                failures = 0
-            except psycopg.Error as exc:
-                conn, failures = await self._db_error("complete", exc, conn, failures)
-                self._flush.set()
+        try:
+            failures = 0
+            while True:
+                try:
+                    conn = conn or await self._complete_session()
+                    await self._flush.wait()
+                    self._flush.clear()
+                    await self._flush_once(conn)
+                    failures = 0
+                except psycopg.Error as exc:
+                    conn, failures = await self._db_error("complete", exc, conn, failures)
+                    self._flush.set()
+        finally:
+            await close_async(conn)
 
     async def _complete_session(self) -> psycopg.AsyncConnection[Any]:
         """The session that records results, opened before the first result and warmed by
@@ -568,7 +573,7 @@ class Worker:
         try:
             await bounded(conn, queue.finish(conn, []), self._bound_s, "finish")
         except BaseException:
-            await _close(conn)
+            await close_async(conn)
             raise
         return conn
 
@@ -691,26 +696,29 @@ class Worker:
             self.log.warning("results whose finish matched no row were not settled before"
                              " exit: discarded; a lease still ours will expire",
                              runs=[run_id for run_id, _ in self._disputed])
-        await _close(conn)
+        await close_async(conn)
 
     # ------------------------------------------------------------ heartbeat
 
     async def _heartbeat_loop(self) -> None:
         conn: psycopg.AsyncConnection[Any] | None = None
-        failures = 0
-        while True:
-            try:
-                conn = conn or await self._connect()
-                self._wake_heartbeat.clear()
-                await self._beat(conn)
-                failures = 0
-            except psycopg.Error as exc:
-                conn, failures = await self._db_error("heartbeat", exc, conn, failures)
-                continue
-            # A disputed result is settled at once, but a stale server that keeps refusing
-            # its finish cannot turn renewals into a tight loop.
-            await asyncio.sleep(HEARTBEAT_FLOOR_S)
-            await _wait(self._wake_heartbeat, self.ttl / 3 - HEARTBEAT_FLOOR_S)
+        try:
+            failures = 0
+            while True:
+                try:
+                    conn = conn or await self._connect()
+                    self._wake_heartbeat.clear()
+                    await self._beat(conn)
+                    failures = 0
+                except psycopg.Error as exc:
+                    conn, failures = await self._db_error("heartbeat", exc, conn, failures)
+                    continue
+                # A disputed result is settled at once, but a stale server that keeps refusing
+                # its finish cannot turn renewals into a tight loop.
+                await asyncio.sleep(HEARTBEAT_FLOOR_S)
+                await _wait(self._wake_heartbeat, self.ttl / 3 - HEARTBEAT_FLOOR_S)
+        finally:
+            await close_async(conn)
 
     async def _beat(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """One renewal of exactly the attempts held now. It gives back unheld runs only
@@ -800,22 +808,28 @@ class Worker:
 
     async def _listen_loop(self) -> None:
         failures = 0
-        while True:
-            conn: psycopg.AsyncConnection[Any] | None = None
-            try:
-                conn = await self._connect(listen=True)
-                await bounded(conn, conn.execute(q("listen_worker")), self._bound_s, "listen")
-                self._listen_pid = conn.info.backend_pid  # our handoff channel (handoff.py)
-                self._wake.set()  # notifications may have been missed while disconnected
-                failures = 0
-                while True:
-                    async for note in conn.notifies(timeout=LISTEN_PING_S):
-                        self._on_notify(note.channel, note.payload)
-                    # Quiet for a while: make sure the connection is alive, not silent.
-                    await bounded(conn, conn.execute(q("ping")), self._beat_bound_s, "listen")
-            except psycopg.Error as exc:
-                self._listen_pid = None  # offers with it stay unused (their pid is gone)
-                conn, failures = await self._db_error("listen", exc, conn, failures)
+        conn: psycopg.AsyncConnection[Any] | None = None
+        try:
+            while True:
+                try:
+                    conn = await self._connect(listen=True)
+                    await bounded(conn, conn.execute(q("listen_worker")), self._bound_s,
+                                  "listen")
+                    self._listen_pid = conn.info.backend_pid  # our handoff channel
+                    self._wake.set()  # notifications may have been missed while disconnected
+                    failures = 0
+                    while True:
+                        async for note in conn.notifies(timeout=LISTEN_PING_S):
+                            self._on_notify(note.channel, note.payload)
+                        # Quiet for a while: make sure the connection is alive, not silent.
+                        await bounded(conn, conn.execute(q("ping")), self._beat_bound_s,
+                                      "listen")
+                except psycopg.Error as exc:
+                    self._listen_pid = None  # offers with it stay unused (their pid is gone)
+                    conn, failures = await self._db_error("listen", exc, conn, failures)
+        finally:
+            self._listen_pid = None
+            await close_async(conn)
 
     def _on_notify(self, channel: str, payload: str) -> None:
         if channel == "pgflow_queue":
@@ -834,7 +848,7 @@ class Worker:
         failures += 1
         self.log.warning(f"{what}: database error, retrying", error=str(exc).strip(),
                          failures=failures, timeout=isinstance(exc, StatementTimeout))
-        await _close(conn)
+        await close_async(conn)
         await asyncio.sleep(min(5.0, 0.1 * 2**failures))
         return None, failures
 
@@ -849,12 +863,6 @@ def _refusal(exc: psycopg.Error) -> bool:
     """The database refused the statement because of what it carried."""
     state = exc.sqlstate or ""
     return bool(state) and (state[:2] not in _TRANSIENT or state == "53200")  # out of memory
-
-
-async def _close(conn: psycopg.AsyncConnection[Any] | None) -> None:
-    if conn is not None:
-        with contextlib.suppress(psycopg.Error):
-            await conn.close()
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:

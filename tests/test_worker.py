@@ -335,6 +335,36 @@ def test_recorded_successes_are_logged_only_at_debug_level(level: int,
         ("attempt finished", outcome) for outcome in logged]
 
 
+def test_a_worker_loop_ended_by_a_bug_closes_its_session(
+        conn: Conn, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that fails with anything but a database error is restarted (_supervise);
+    the session it held is closed first. Left open, a claim loop failing once a second
+    took a session a second until the server refused every client (too many clients)."""
+    from pgflow.log import get_logger
+    from pgflow.worker import Worker
+
+    async def bug(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in the claim")
+
+    monkeypatch.setattr(queue, "claim", bug)
+    sessions = ("SELECT count(*) AS n FROM pg_stat_activity"
+                " WHERE application_name = 'pgflow-worker' AND datname = current_database()")
+
+    async def scenario() -> list[int]:
+        worker = Worker(db_url, "w18", 4, 60, get_logger(test=True))
+        worker.start()
+        seen = []
+        for _ in range(4):
+            await asyncio.sleep(1.2)  # a restart a second
+            seen.append(conn.execute(sessions).fetchone()["n"])
+        await worker.drain(0.1)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert max(seen) <= 3, seen  # claim, completion and heartbeat sessions: no more
+    wait_for(lambda: conn.execute(sessions).fetchone()["n"] == 0, timeout=5)
+
+
 def test_a_result_the_database_refuses_does_not_hold_back_the_others(conn: Conn,
                                                                       db_url: str) -> None:
     from pgflow.log import get_logger
