@@ -49,7 +49,14 @@ settler's lock on a pending run in the middle of the closure and then miss the
 runs that settler created below it. DAG edits are the same case with edges in
 place of runs: registration settles the pending runs of every re-wired job
 after writing the new edges, and finishers read edges in the same fresh
-statements.
+statements. One order escapes that: a finisher whose statement began before
+the edges committed and then waited for the registration's lock on its run
+reads the edges in its older snapshot, does not see its new downstream run and
+never runs ``queue_ready_runs`` for it, while the registration's settle saw
+that upstream still running. So a registration that left re-wired runs
+waiting settles them once more after its commit, once every transaction older
+than the commit has ended (``registry._resettle_after_older_finishes``,
+bounded: past the bound the safety net's pending repair queues them).
 
 What remains: a deadlock is possible (PostgreSQL detects it and rolls one
 transaction back; workers and the reaper retry their batch, an operator sees

@@ -12,6 +12,7 @@ import difflib
 import importlib
 import json
 import sys
+import time
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from pgflow import backfill, dag, datasets, deps, scheduler
 from pgflow import policies as _policies
@@ -247,6 +249,8 @@ def apply(
         now: datetime = conn.execute("SELECT now() AS now").fetchone()["now"]  # type: ignore[index]
         result = ApplyResult(pruned=sorted(removed))
         changed: list[JobSpec] = []
+        rewired: list[str] = []
+        waiting: list[int] = []
         for spec in specs:
             row = existing.get(spec.name)
             if row is None:
@@ -265,10 +269,13 @@ def apply(
             _write(conn, changed, existing, now)
             _withdraw_changed(conn, changed, existing)
             datasets.drop_stale(conn, [spec.name for spec in changed])
-            settled = _resettle(conn, _rewired(changed, existing))
+            rewired = _rewired(changed, existing)
+            settled, waiting = _resettle(conn, rewired)
             backfill.complete(conn, settled.backfills.union(*(g["backfills"] for g in gone)))
             conn.execute(q("notify_jobs_changed"))
         result.policies = _policies.write(conn, policies, prune=prune)  # tenants, sources, flags
+    if waiting and conn.info.transaction_status == IDLE:
+        _resettle_after_older_finishes(conn, rewired)
     return result
 
 
@@ -284,20 +291,43 @@ def _withdraw_changed(conn: psycopg.Connection[Any], specs: Sequence[JobSpec],
     scheduler.withdraw_ahead(conn, sorted(names), rewind=sorted(names - moved))
 
 
+IDLE = TransactionStatus.IDLE  # not inside a caller's transaction: ours has committed
+OLDER_FINISHES_WAIT_S = 5.0
+
+
 def _rewired(specs: Sequence[JobSpec], existing: dict[str, dict[str, Any]]) -> list[str]:
     """Jobs whose upstream edges this registration changes."""
     return sorted(spec.name for spec in specs if spec.name not in existing
                   or sorted(existing[spec.name]["depends_on"]) != sorted(spec.depends_on))
 
 
-def _resettle(conn: psycopg.Connection[Any], jobs: list[str]) -> deps.Settled:
+def _resettle(conn: psycopg.Connection[Any],
+              jobs: list[str]) -> tuple[deps.Settled, list[int]]:
     """The pending runs of re-wired jobs are judged by their new upstreams, in the
     transaction that wrote the edges: ready ones are queued, those behind a failed
-    upstream fail, the rest wait on the new set."""
+    upstream fail, the rest wait on the new set (returned with what was settled)."""
     if not jobs:
-        return deps.Settled()
+        return deps.Settled(), []
     pending = [row["id"] for row in conn.execute(q("pending_runs_of_jobs"), {"jobs": jobs})]
-    return deps.settle(conn, pending)
+    settled = deps.settle(conn, pending)
+    return settled, sorted(set(pending) - set(settled.queued) - set(settled.doomed))
+
+
+def _resettle_after_older_finishes(conn: psycopg.Connection[Any], jobs: list[str]) -> None:
+    """Once the edges are committed, settle the re-wired jobs' waiting runs again, after
+    every transaction older than that commit has ended (for ``OLDER_FINISHES_WAIT_S`` at
+    most: past it, the safety net's pending repair is what queues them). A finish whose
+    statement began before the commit reads job_deps in its older snapshot: if it waited
+    for our lock on its run and ended it after our commit, it never looked for the new
+    downstream run, and our first settle saw the run still running (pgflow/deps.py)."""
+    deadline = time.monotonic() + OLDER_FINISHES_WAIT_S
+    since = conn.execute(q("transaction_clock")).fetchone()["at"]  # type: ignore[index]
+    while conn.execute(q("older_transactions"), {"since": since}).fetchone()["any"]:  # type: ignore[index]
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.01)
+    with conn.transaction():
+        _resettle(conn, jobs)
 
 
 def _write(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -524,22 +525,14 @@ async def _creator_pid(url: str) -> int:
     raise AssertionError("the creator never connected")
 
 
-@pytest.fixture
-def stuck_ok() -> None:
-    """This test leaves a run that only the safety net moves (the known gap it shows)."""
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: the finish reads job_deps in the snapshot its statement started with, "
-    "before it waited for the registration's lock, so it never looks for the new "
-    "downstream; the safety net's repair_pending queues it seconds later"))
 @pytest.mark.parametrize("plain", [False, True])
 def test_a_finish_waiting_on_a_rewiring_sees_its_new_downstream(
-        conn: Conn, db_url: str, stuck_ok: None, plain: bool) -> None:
+        conn: Conn, db_url: str, plain: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A registration re-wires d onto u while u runs: it share-locks u's run, finds it
-    running (d waits for it) and commits while u's finish waits for that lock. The finish
-    must then queue d, as it would have had the edge been there before (both the
-    transactional finish and the plain one followed by it)."""
+    running (d waits for it), and commits while u's finish waits for that lock. That
+    finish reads job_deps in the snapshot its statement began with, so it does not look
+    for d: the registration settles d again once every older transaction has ended, and
+    d is queued (after the transactional finish, and after the plain one)."""
     add_job(conn, "x", entrypoint="jobfuncs:noop", schedule="0 * * * *")
     add_job(conn, "u", entrypoint="jobfuncs:noop", schedule="0 * * * *")
     add_job(conn, "d", entrypoint="jobfuncs:noop", depends_on=["x"])
@@ -551,6 +544,18 @@ def test_a_finish_waiting_on_a_rewiring_sees_its_new_downstream(
     done = Finish(ids["u"], 1, "w", "succeeded", "succeeded", T0, plain=plain)
     rewired = JobSpec.model_validate({"name": "d", "entrypoint": "jobfuncs:noop",
                                       "depends_on": ["u"], "retry": {"max_attempts": 1}})
+    settled_once, go_on = threading.Event(), threading.Event()
+    resettle = registry._resettle
+
+    def pausing(c: psycopg.Connection[Any],
+                jobs: list[str]) -> tuple[deps.Settled, list[int]]:
+        settled = resettle(c, jobs)
+        if not settled_once.is_set():  # the first settle: u's run is locked, still running
+            settled_once.set()
+            assert go_on.wait(30)
+        return settled
+
+    monkeypatch.setattr(registry, "_resettle", pausing)
 
     async def finish(finisher: AsyncConnection[Any]) -> dict[int, str]:
         return (await queue.finish_plain(finisher, [done])
@@ -558,11 +563,14 @@ def test_a_finish_waiting_on_a_rewiring_sees_its_new_downstream(
 
     async def scenario() -> None:
         async with await AsyncConnection.connect(db_url, autocommit=True) as finisher:
-            with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as registration, \
-                    registration.transaction():
-                registry.apply(registration, [rewired])
+            with psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as registration:
+                applying = asyncio.create_task(
+                    asyncio.to_thread(registry.apply, registration, [rewired]))
+                assert await asyncio.to_thread(settled_once.wait, 30)
                 racing = asyncio.create_task(finish(finisher))
                 await _blocked_on_a_lock(db_url, finisher.info.backend_pid)
+                go_on.set()
+                await applying
             assert await racing == {ids["u"]: "succeeded"}
 
     asyncio.run(scenario())

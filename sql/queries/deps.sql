@@ -166,6 +166,20 @@ LEFT JOIN offer o ON true
 -- The pending runs of jobs whose upstream edges just changed (registration).
 SELECT id FROM pgflow.runs WHERE job = ANY(%(jobs)s::text[]) AND state = 'pending' ORDER BY id
 
+-- name: transaction_clock
+-- The instant now, as the server sees it (after a registration's commit).
+SELECT clock_timestamp() AS at
+
+-- name: older_transactions
+-- Whether a transaction of this database that began before %(since)s still runs (a
+-- registration waits for them before settling its re-wired runs again: pgflow/registry.py).
+-- Sessions of other roles show no xact_start without pg_read_all_stats: not waited for.
+SELECT EXISTS (
+    SELECT 1 FROM pg_stat_activity
+    WHERE datname = current_database() AND pid <> pg_backend_pid()
+      AND backend_type = 'client backend' AND xact_start < %(since)s
+) AS any
+
 -- name: lock_upstream_runs
 -- Settling, step 1: share-lock the upstream runs (same logical time) of the pending runs
 -- %(ids)s and of the pending runs of backfill %(backfill)s, in id order. A transaction
