@@ -321,13 +321,19 @@ def _resettle_after_older_finishes(conn: psycopg.Connection[Any], jobs: list[str
     for our lock on its run and ended it after our commit, it never looked for the new
     downstream run, and our first settle saw the run still running (pgflow/deps.py)."""
     deadline = time.monotonic() + OLDER_FINISHES_WAIT_S
-    since = conn.execute(q("transaction_clock")).fetchone()["at"]  # type: ignore[index]
-    while conn.execute(q("older_transactions"), {"since": since}).fetchone()["any"]:  # type: ignore[index]
+    since = None  # the first look takes the server's clock
+    while True:
+        older = conn.execute(q("older_transactions"), {"since": since}).fetchone()
+        assert older is not None
+        if not older["any"]:
+            break
         if time.monotonic() >= deadline:
             return
+        since = older["since"]
         time.sleep(0.01)
     with conn.transaction():
-        _resettle(conn, jobs)
+        settled, _ = _resettle(conn, jobs)
+        backfill.complete(conn, settled.backfills)
 
 
 def _write(

@@ -66,5 +66,3 @@ async def run_heartbeat(url: str, replica: Replica, lease_ttl: float, stop: asyn
                 await conn.execute(q("deregister_replica"), {"id": replica.id})
     finally:
         await close_async(conn)  # also when a bug ends the role (serve restarts it)
-
-

@@ -166,19 +166,18 @@ LEFT JOIN offer o ON true
 -- The pending runs of jobs whose upstream edges just changed (registration).
 SELECT id FROM pgflow.runs WHERE job = ANY(%(jobs)s::text[]) AND state = 'pending' ORDER BY id
 
--- name: transaction_clock
--- The instant now, as the server sees it (after a registration's commit).
-SELECT clock_timestamp() AS at
-
 -- name: older_transactions
--- Whether a transaction of this database that began before %(since)s still runs (a
--- registration waits for them before settling its re-wired runs again: pgflow/registry.py).
--- Sessions of other roles show no xact_start without pg_read_all_stats: not waited for.
-SELECT EXISTS (
+-- Whether a transaction of this database that began before %(since)s (NULL: now, the
+-- instant returned as since) still runs: a registration waits for them before settling
+-- its re-wired runs again (pgflow/registry.py). Sessions of other roles show no
+-- xact_start without pg_read_all_stats: not waited for.
+WITH t AS (SELECT coalesce(%(since)s::timestamptz, clock_timestamp()) AS since)
+SELECT t.since, EXISTS (
     SELECT 1 FROM pg_stat_activity
     WHERE datname = current_database() AND pid <> pg_backend_pid()
-      AND backend_type = 'client backend' AND xact_start < %(since)s
+      AND backend_type = 'client backend' AND xact_start < t.since
 ) AS any
+FROM t
 
 -- name: lock_upstream_runs
 -- Settling, step 1: share-lock the upstream runs (same logical time) of the pending runs
