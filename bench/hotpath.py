@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 
 from bench.context import register
-from pgflow import queue, retention
+from pgflow import queue, retention, runs
 from pgflow.queries import q
 from pgflow.queue import NO_OFFER
 
@@ -105,8 +105,9 @@ def load_history(conn: Conn, n: int, *, days: float = 30.0, backfill_id: int | N
     with conn.transaction():
         for name, _ in saved:
             conn.execute(f"DROP INDEX pgflow.{name}")
-        conn.execute(FILL_RUNS, {"jobs": jobs, "njobs": len(jobs), "n": n,
-                                 "spread_s": days * 86400 / n, "backfill_id": backfill_id})
+        with runs.keys_inserted_after(conn):
+            conn.execute(FILL_RUNS, {"jobs": jobs, "njobs": len(jobs), "n": n,
+                                     "spread_s": days * 86400 / n, "backfill_id": backfill_id})
         conn.execute(FILL_ATTEMPTS)
     t1 = time.perf_counter()
     conn.execute("SET maintenance_work_mem = '256MB'")

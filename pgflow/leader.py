@@ -62,7 +62,8 @@ Why no tick is lost or doubled.
 * Two schedulers overlapping anyway (a replica whose session outlived its
   belief, a test running ``run_once`` by hand) still cannot double a tick:
   due jobs are locked with ``FOR UPDATE SKIP LOCKED`` for the pass, and
-  ``runs`` is ``UNIQUE (job, logical_time)`` with ``ON CONFLICT DO NOTHING``.
+  a run's ``(job, logical_time)`` is unique (``run_keys``, migration 0024): a
+  second insert of a pair skips its row.
 What can still happen: after a leader freezes, no ticks fire until
 ``lease_ttl`` has passed and a standby took over; they then fire late (or are
 skipped under ``catchup = "none"`` beyond its grace), never twice.

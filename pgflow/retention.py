@@ -60,16 +60,17 @@ older than the retention; consumed dataset events once no consumer can need them
 Design choice, and the measurements that decided it
 ===================================================
 
-Time partitioning (Hatchet, Oban Pro) makes dropping a day O(1), but pgflow's
-``runs`` cannot be partitioned on a finish time: a row moves partitions on every
-state change, and the exactly-once key ``UNIQUE (job, logical_time)`` must contain
-the partition key — so it would have to be ``logical_time``, which backfills set
-years in the past (a 2020 backfill run today would land in a partition dropped long
-ago, or keep a 2020 partition alive), and ``attempts`` would need the key in its
-foreign key. Moving finished runs to a history table doubles every finish write and
-splits every listing. So pgflow deletes in batches and keeps the hot path on partial
-indexes; the measurements say both are enough (2-core VM shared with other work,
-PostgreSQL 15 with stock settings, ``bench/history.py``):
+Time partitioning (Hatchet, Oban Pro) makes dropping a day O(1), but pgflow's ``runs``
+cannot be partitioned on a finish time: a row moves partitions on every state change.
+The exactly-once key (``job, logical_time``) was a unique index of ``runs`` when this was
+decided (it moved to ``run_keys`` in migration 0024), and a unique index must contain the
+partition key — so it would have had to be
+``logical_time``, which backfills set years in the past (a 2020 backfill run today would
+land in a partition dropped long ago, or keep a 2020 partition alive), and ``attempts``
+would need the key in its foreign key. Moving finished runs to a history table doubles
+every finish write and splits every listing. So pgflow deletes in batches and keeps the
+hot path on partial indexes; the measurements say both are enough (2-core VM shared with
+other work, PostgreSQL 15 with stock settings, ``bench/history.py``):
 
 * Prune throughput: 2,000-run batches (with their attempts) took 53-57 ms at
   1,000,000 and 63 ms at 10,000,000 finished runs: 32,000-37,000 runs/s, flat with
@@ -82,7 +83,7 @@ PostgreSQL 15 with stock settings, ``bench/history.py``):
   of them) were past the retention at once, the runs table stayed at 210 MB from the
   middle of the run to its end, the claim took 3.3 / 3.1 ms (p50) and 13.6 / 13.2 ms
   (p99) in the first / last minute, and all 1,000,000 runs succeeded once and went.
-* The dependency rules are scalar subqueries on the unique key, never joins: written
+* The dependency rules are scalar subqueries on the run key (``run_keys``), never joins: written
   as joins, the planner (with statistics from a quieter moment) started them from the
   queued and running runs, once per candidate; batches grew to 17 s under load, the
   leader's heartbeat went stale and standbys deposed it four times in a run.
@@ -92,7 +93,7 @@ PostgreSQL 15 with stock settings, ``bench/history.py``):
   0.84, due jobs 1.8 / 1.9 / 1.7, DAG tick 5.6 / 6.4 / 5.8, backfill release 1.1 /
   1.3 / 1.2. Flat from 1M to 10M; from 0 to 1M, statements that insert index entries
   (a tick of 500 jobs 17 → 30 ms) pay for deeper, colder B-trees, O(log n). Every one
-  walks a partial index of live runs or a unique key (``tests/test_hot_path_plans.py``
+  walks a partial index of live runs or the run key (``tests/test_hot_path_plans.py``
   checks the plans at 1,000,000).
 * HOT updates: before migration 0008 not one update of ``runs`` was HOT (0 of 41,803
   in a 20,000-run no-op run): ``runs_lease_idx`` indexed the lease expiry, which every

@@ -5,8 +5,8 @@ Every root job (one with a schedule) persists the instant of its next tick in
 Python which logical times to create (``plan_fires``, pure), creates all their
 runs with one ``create_plain_runs`` (or ``create_runs`` for DAG roots), advances
 their fire times with one UPDATE and commits: the runs and the fire times move
-together, so a tick fires once whatever happens (``UNIQUE (job, logical_time)``
-makes a repeated insert a no-op besides). Because the fire time is persisted, ticks
+together, so a tick fires once whatever happens (the unique ``(job, logical_time)``
+of ``run_keys`` makes a repeated insert a no-op besides). Because the fire time is persisted, ticks
 missed while no scheduler ran are seen on restart and handled by the job's
 ``catchup`` policy.
 

@@ -25,7 +25,7 @@ import pytest
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from pgflow import queue, registry
+from pgflow import queue, registry, runs
 from pgflow.queries import q
 from pgflow.queue import NO_OFFER
 from pgflow.spec import JobSpec
@@ -34,7 +34,7 @@ Conn = psycopg.Connection[dict[str, Any]]
 HISTORY = 1_000_000
 LIVE = datetime(2031, 1, 1, tzinfo=UTC)
 WORKER = "plan-worker"
-HOT_TABLES = {"runs", "attempts"}
+HOT_TABLES = {"runs", "attempts", "run_keys"}
 
 # Finished runs over 200 jobs (the live jobs among them), finished over the last 30
 # days; one in ten has an attempt row (enough for the attempts' indexes to be real).
@@ -126,8 +126,9 @@ def history(server_url: str, template_db: str) -> Iterator[tuple[Conn, dict[str,
         with conn.transaction():
             for index, _ in saved:
                 conn.execute(sql.SQL("DROP INDEX pgflow.{}").format(sql.Identifier(index)))
-            conn.execute(FILL_RUNS, {"jobs": jobs, "njobs": len(jobs), "n": HISTORY,
-                                     "backfill": backfill["id"]})
+            with runs.keys_inserted_after(conn):
+                conn.execute(FILL_RUNS, {"jobs": jobs, "njobs": len(jobs), "n": HISTORY,
+                                         "backfill": backfill["id"]})
             conn.execute(FILL_ATTEMPTS)
             for _, definition in saved:
                 conn.execute(definition)
@@ -198,13 +199,13 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         "finish batch": ("finish_attempts", _finishes(noop[:100]),
                          RUNNING_RANGE),
         "finish upstreams": ("finish_attempts", _finishes(ups),
-                             {"runs_job_logical_time_key"}),
+                             {"run_keys_pkey"}),
         "dependency hop": ("queue_ready_runs", {"ids": live["pending_down"],
                                                 "finished": [r["id"] for r in ups]},
-                           {"runs_job_logical_time_key"}),
+                           {"run_keys_pkey"}),
         # Pending runs (the state index's 'pending' range) are not history either.
         "fail downstreams": ("fail_downstreams", {"ids": [ups[0]["id"]]},
-                             {"runs_job_logical_time_key", "runs_state_idx"}),
+                             {"run_keys_pkey", "runs_state_idx"}),
         "reap": ("expired_leases", {"limit": 500}, RUNNING_RANGE),
         "due jobs": ("due_jobs", {"now": datetime.now(UTC),
                                   "horizon": datetime.now(UTC) + timedelta(seconds=2),
@@ -212,7 +213,7 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
         # A pause or a registration withdraws runs created ahead: the job's few
         # unfinished keys, never its history.
         "withdraw ahead": ("withdraw_ahead_runs", {"names": ["noop", "up"], "rewind": ["noop"]},
-                           {"runs_job_logical_time_key"}),
+                           {"run_keys_pkey"}),
         "dag tick": ("create_runs", {
             "jobs": ["up"] * 5, "times": [tomorrow + timedelta(seconds=i) for i in range(5)],
             "trigger": "schedule", "params": None, "downstream": True, "state": "queued",
@@ -264,9 +265,9 @@ def statements(live: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any], set
             "settle_s": 120, "limit": 1, "per_hour": 10}, {"runs_finished_idx"}),
         "web: pipeline grid": ("dag_history_runs", {
             "jobs": ["up", "down"], "times": [LIVE + timedelta(seconds=i) for i in range(25)]},
-            {"runs_job_logical_time_key"}),
+            {"run_keys_pkey"}),
         "web: pipeline times": ("dag_history_times", {"job": "up", "times": 25},
-                                {"runs_job_logical_time_key"}),
+                                {"run_keys_pkey"}),
         # A Prometheus scrape: the last interval's starts and finishes, not the history.
         "metrics scrape": ("metrics_scrape", {
             "since": datetime.now(UTC) - timedelta(seconds=15), "settle": 2.0, "alive_s": 90.0,
@@ -352,7 +353,7 @@ def test_the_history_is_there(history: tuple[Conn, dict[str, Any]]) -> None:
 @pytest.mark.parametrize("name", ["prune_runs", "prune_preview"])
 def test_retention_never_walks_the_queue(history: tuple[Conn, dict[str, Any]],
                                          name: str) -> None:
-    """The dependency rules probe one run by its unique key per dependency. Written as a
+    """The dependency rules probe one run by its key (run_keys) per dependency. Written as a
     join, the planner could (and under load, with stale statistics, did) start from the
     queued and running runs through runs_state_idx once per candidate: 17 s a batch
     with a backlog of a few thousand runs in bench/history.py. The scalar subqueries
@@ -362,7 +363,7 @@ def test_retention_never_walks_the_queue(history: tuple[Conn, dict[str, Any]],
                                 "after_finished": None, "after_id": None})
     used = {n["Index Name"] for n in _nodes(plan) if "Index Name" in n}
     assert "runs_state_idx" not in used
-    assert {"runs_finished_idx", "runs_job_logical_time_key"} <= used
+    assert {"runs_finished_idx", "run_keys_pkey"} <= used
 
 
 def generic_plan_of(conn: Conn, name: str, params: dict[str, Any]) -> dict[str, Any]:

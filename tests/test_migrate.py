@@ -53,10 +53,44 @@ def test_schema_has_the_constraints_and_indexes_hot_paths_need(empty_db_url: str
         assert "state <> 'running'" in indexes["runs_job_idx"]
         assert not any("lease_expires_at" in d for d in indexes.values())
         assert "next_fire_at" in indexes["jobs_due_idx"]
-        unique = conn.execute(
+        # The exactly-once key is run_keys' (migration 0024): runs has no unique index
+        # but its primary key, so neither a claim nor a finish checks a uniqueness.
+        unique = {r[0] for r in conn.execute(
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+            " WHERE i.indrelid = 'pgflow.runs'::regclass AND i.indisunique")}
+        assert unique == {"runs_pkey"}
+        key = conn.execute(
             "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
-            " WHERE conrelid = 'pgflow.runs'::regclass AND contype = 'u'").fetchall()
-        assert ("UNIQUE (job, logical_time)",) in unique
+            " WHERE conrelid = 'pgflow.run_keys'::regclass AND contype = 'p'").fetchone()
+        assert key == ("PRIMARY KEY (job, logical_time) INCLUDE (run_id)",)
+
+
+def test_an_upgrade_keys_the_runs_it_finds(empty_db_url: str) -> None:
+    """Migration 0024 gives every existing run its key: a tick created before the
+    upgrade is not created again after it."""
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        before = [m for m in migrate.available() if m.version < 24]
+        with conn.transaction():
+            conn.execute(migrate._BOOTSTRAP)
+            for m in before:
+                conn.execute(m.sql.encode())
+                conn.execute("INSERT INTO pgflow.schema_migrations (version, name, checksum)"
+                             " VALUES (%s, %s, %s)", (m.version, m.name, m.checksum))
+        conn.execute("INSERT INTO pgflow.jobs (name, entrypoint, definition)"
+                     " VALUES ('j', 'jobfuncs:noop', '{}')")
+        made = conn.execute(
+            "INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant)"
+            " SELECT 'j', timestamptz '2030-01-01' + make_interval(hours => i), 'queued', 1,"
+            " 'schedule', 'default' FROM generate_series(1, 3) i RETURNING id").fetchall()
+        assert [m.version for m in migrate.migrate(conn)] == [
+            m.version for m in migrate.available() if m.version >= 24]
+        keys = conn.execute("SELECT run_id FROM pgflow.run_keys ORDER BY run_id").fetchall()
+        assert keys == made
+        again = conn.execute(
+            "INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger, tenant)"
+            " VALUES ('j', timestamptz '2030-01-01 01:00', 'queued', 1, 'schedule', 'default')"
+            " RETURNING id").fetchall()
+        assert again == []
 
 
 def test_concurrent_migrations_apply_once(empty_db_url: str) -> None:

@@ -49,7 +49,7 @@ try the insert, one wins.
 
 Cost. A pass reads indexed slices only: runs finished since the cursor
 (``runs_finished_idx``), recent ticks of the jobs that have a ``deadline`` (the
-runs' ``(job, logical_time)`` key), the breaker log after its cursor, open
+``run_keys``' ``(job, logical_time)`` key), the breaker log after its cursor, open
 incidents (``incidents_firing_idx``), silent replicas; ``backlog`` and
 ``failure_rate`` (the waiting runs, 15 min of attempts) every 30 s only. Timings
 are module constants; tests shorten them with ``PGFLOW_ALERTS_*`` variables read

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from pgflow import db, migrate, registry, tokens
+from pgflow import db, migrate, registry, runs, tokens
 from pgflow.config import load_settings
 from pgflow.spec import JobSpec
 from pgflow.web._state import WebState
@@ -93,7 +93,8 @@ def seed(url: str, jobs: int = JOBS, runs_per_job: int = RUNS_PER_JOB,
         registry.apply(conn, specs)
         say(f"registered {jobs} jobs in {time.perf_counter() - started:.1f}s")
         started = time.perf_counter()
-        conn.execute(_RUNS, {"runs": runs_per_job})
+        with conn.transaction(), runs.keys_inserted_after(conn):
+            conn.execute(_RUNS, {"runs": runs_per_job})
         conn.execute(_ATTEMPTS)
         conn.execute("VACUUM ANALYZE pgflow.runs")
         conn.execute("VACUUM ANALYZE pgflow.attempts")

@@ -2,7 +2,7 @@
 p50/p95) and the grid of those logical times x the DAG's jobs, like Airflow's grid view.
 
 Bounded whatever the history: the latest ``TIMES`` logical times of the root (its
-unique key, backwards) and at most ``MAX_JOBS`` jobs of its DAG, read by unique-key
+run keys, backwards) and at most ``MAX_JOBS`` jobs of its DAG, read by run-key
 probes. End-to-end time is :func:`pgflow.web.gantt.end_to_end` per logical time; the
 percentiles count the DAG runs whose every run succeeded (a failed pipeline delivered
 nothing, so its time is not a latency).

@@ -169,13 +169,14 @@ ON CONFLICT (job) DO UPDATE SET last_run_id = EXCLUDED.last_run_id,
 
 -- name: alert_deadline_missed
 -- Runs of jobs with a deadline, past logical time + deadline and not succeeded, without
--- an incident yet; only ticks of the last %(lookback_s)s are looked at (runs' unique
--- (job, logical_time) index, per job with a deadline).
+-- an incident yet; only ticks of the last %(lookback_s)s are looked at (run_keys'
+-- primary key, per job with a deadline).
 SELECT r.id, r.job, r.tenant, r.logical_time, r.state, r.attempt, j.deadline_s
 FROM pgflow.jobs j
-JOIN pgflow.runs r ON r.job = j.name
-    AND r.logical_time <= now() - make_interval(secs => j.deadline_s)
-    AND r.logical_time > now() - make_interval(secs => j.deadline_s + %(lookback_s)s)
+JOIN pgflow.run_keys k ON k.job = j.name
+    AND k.logical_time <= now() - make_interval(secs => j.deadline_s)
+    AND k.logical_time > now() - make_interval(secs => j.deadline_s + %(lookback_s)s)
+JOIN pgflow.runs r ON r.id = k.run_id
 WHERE j.deadline_s IS NOT NULL
   AND r.state NOT IN ('succeeded', 'cancelled') AND r.acked_at IS NULL
   AND NOT EXISTS (SELECT 1 FROM pgflow.incidents i

@@ -1,10 +1,10 @@
 -- The root job page's pipeline history (pgflow/web/dag_history.py): its latest DAG runs
 -- (logical times) and every run of its DAG at those times, for the end-to-end trend and
--- the grid. Bounded: %(times)s logical times (runs_job_logical_time_key, backwards) and
--- at most %(max_jobs)s jobs, so at most times × jobs unique-key probes.
+-- the grid. Bounded: %(times)s logical times (run_keys' primary key, backwards) and
+-- at most %(max_jobs)s jobs, so at most times × jobs run-key probes.
 
 -- name: dag_history_times
-SELECT logical_time FROM pgflow.runs WHERE job = %(job)s
+SELECT logical_time FROM pgflow.run_keys WHERE job = %(job)s
 ORDER BY logical_time DESC LIMIT %(times)s
 
 -- name: dag_history_jobs
@@ -24,4 +24,5 @@ SELECT r.id, r.job, r.logical_time, r.state, r.trigger, r.created_at, r.started_
        r.finished_at
 FROM unnest(%(jobs)s::text[]) AS j(job)
 CROSS JOIN unnest(%(times)s::timestamptz[]) AS t(at)
-JOIN pgflow.runs r ON r.job = j.job AND r.logical_time = t.at
+JOIN pgflow.run_keys k ON k.job = j.job AND k.logical_time = t.at
+JOIN pgflow.runs r ON r.id = k.run_id

@@ -7,8 +7,9 @@
 -- leave held runs alone.
 
 -- name: create_runs
--- New runs, one per (job, logical_time); a pair that already has a run is skipped
--- (this is what makes a tick exactly-once). With %(downstream)s, each requested job
+-- New runs, one per (job, logical_time); a pair that already has a run is skipped by
+-- the trigger that inserts its key (pgflow.run_keys, migration 0024: this is what makes
+-- a tick exactly-once). With %(downstream)s, each requested job
 -- starts a DAG run for its logical time: a requested root brings the other unpaused
 -- roots of its DAG (queued, same trigger), and every job downstream of the started
 -- jobs gets a 'pending' run that the dependency engine queues when its upstreams
@@ -57,7 +58,6 @@ SELECT w.job, w.logical_time,
 FROM wanted w
 JOIN pgflow.jobs j ON j.name = w.job
 ORDER BY w.logical_time, w.job
-ON CONFLICT (job, logical_time) DO NOTHING
 RETURNING id, job, logical_time, state, trigger
 )
 SELECT id, job, logical_time, state, trigger,
@@ -83,7 +83,6 @@ WITH inserted AS (
     JOIN pgflow.jobs j ON j.name = i.job
     WHERE NOT %(only_lone)s
        OR NOT EXISTS (SELECT 1 FROM pgflow.job_deps d WHERE d.upstream = j.name)
-    ON CONFLICT (job, logical_time) DO NOTHING
     RETURNING id, job, logical_time, state, trigger
 )
 SELECT id, job, logical_time, state, trigger,
@@ -139,7 +138,6 @@ WITH job AS (
            CASE WHEN o.worker IS NOT NULL THEN clock_timestamp() END,
            o.worker IS NOT NULL
     FROM job j LEFT JOIN offer o ON true
-    ON CONFLICT (job, logical_time) DO NOTHING
     RETURNING id, job, logical_time, state, trigger, attempt, max_attempts, params,
               attempt_started_at, lease_owner
 ), taken AS (
@@ -191,7 +189,8 @@ SELECT count(*) AS locked FROM (
     SELECT u.id
     FROM pgflow.runs p
     JOIN pgflow.job_deps d ON d.job = p.job
-    JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = p.logical_time
+    JOIN pgflow.run_keys k ON k.job = d.upstream AND k.logical_time = p.logical_time
+    JOIN pgflow.runs u ON u.id = k.run_id
     WHERE p.id IN (SELECT unnest(%(ids)s::bigint[])
                    UNION ALL
                    SELECT r.id FROM pgflow.runs r
@@ -230,7 +229,8 @@ WITH target AS (
            coalesce(bool_and(u.state = 'succeeded'), true) AS ready
     FROM target t
     LEFT JOIN pgflow.job_deps d ON d.job = t.job
-    LEFT JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = t.logical_time
+    LEFT JOIN pgflow.run_keys k ON k.job = d.upstream AND k.logical_time = t.logical_time
+    LEFT JOIN pgflow.runs u ON u.id = k.run_id
     GROUP BY t.id
 ), changed AS (
     UPDATE pgflow.runs p
@@ -267,7 +267,8 @@ WITH late AS (
     SELECT p.id
     FROM pgflow.runs f
     JOIN pgflow.job_deps d ON d.upstream = f.job
-    JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = f.logical_time
+    JOIN pgflow.run_keys k ON k.job = d.job AND k.logical_time = f.logical_time
+    JOIN pgflow.runs p ON p.id = k.run_id
     WHERE f.id = ANY(%(finished)s::bigint[]) AND f.state = 'succeeded'
       AND p.state = 'pending' AND NOT p.id = ANY(%(ids)s::bigint[])
     ORDER BY p.id
@@ -280,7 +281,8 @@ WITH late AS (
           SELECT 1 FROM pgflow.backfills b WHERE b.id = p.backfill_id AND b.state = 'running'))
       AND NOT EXISTS (
           SELECT 1 FROM pgflow.job_deps d
-          JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = p.logical_time
+          JOIN pgflow.run_keys k ON k.job = d.upstream AND k.logical_time = p.logical_time
+          JOIN pgflow.runs u ON u.id = k.run_id
           WHERE d.job = p.job AND u.state <> 'succeeded')
     RETURNING p.id, p.backfill_id
 )
@@ -303,7 +305,8 @@ WITH RECURSIVE doomed(job, logical_time) AS (
 UPDATE pgflow.runs p
 SET state = 'upstream_failed', finished_at = now()
 FROM doomed x
-WHERE p.job = x.job AND p.logical_time = x.logical_time AND p.state = 'pending'
+JOIN pgflow.run_keys k ON k.job = x.job AND k.logical_time = x.logical_time
+WHERE p.id = k.run_id AND p.state = 'pending'
 RETURNING p.id, p.backfill_id
 
 -- name: restore_downstreams
@@ -318,7 +321,8 @@ WITH RECURSIVE affected(job, logical_time) AS (
 UPDATE pgflow.runs p
 SET state = 'pending', finished_at = NULL
 FROM affected a
-WHERE p.job = a.job AND p.logical_time = a.logical_time AND p.state = 'upstream_failed'
+JOIN pgflow.run_keys k ON k.job = a.job AND k.logical_time = a.logical_time
+WHERE p.id = k.run_id AND p.state = 'upstream_failed'
 RETURNING p.id
 
 -- name: failed_upstreams
@@ -330,7 +334,8 @@ WITH RECURSIVE ups(job, logical_time) AS (
 )
 SELECT r.id, r.job, r.state
 FROM ups u
-JOIN pgflow.runs r ON r.job = u.job AND r.logical_time = u.logical_time
+JOIN pgflow.run_keys k ON k.job = u.job AND k.logical_time = u.logical_time
+JOIN pgflow.runs r ON r.id = k.run_id
 WHERE r.state IN ('failed', 'cancelled') AND r.id <> %(id)s
 ORDER BY r.id
 

@@ -36,5 +36,6 @@ SELECT r.id, r.job, r.state, r.attempt, r.trigger, r.started_at, r.finished_at,
        r.logical_time, r.created_at, r.attempt_started_at,
        ARRAY(SELECT upstream FROM pgflow.job_deps WHERE job = r.job ORDER BY 1) AS depends_on
 FROM component c
-JOIN pgflow.runs r ON r.job = c.job AND r.logical_time = %(logical_time)s
+JOIN pgflow.run_keys k ON k.job = c.job AND k.logical_time = %(logical_time)s
+JOIN pgflow.runs r ON r.id = k.run_id
 ORDER BY r.id

@@ -484,7 +484,8 @@ WITH result AS (
     SELECT p.id
     FROM finished f
     JOIN pgflow.job_deps d ON d.upstream = f.job
-    JOIN pgflow.runs p ON p.job = d.job AND p.logical_time = f.logical_time
+    JOIN pgflow.run_keys k ON k.job = d.job AND k.logical_time = f.logical_time
+    JOIN pgflow.runs p ON p.id = k.run_id
     WHERE f.state = 'succeeded' AND p.state = 'pending'
       AND (SELECT any_dependency FROM dag)
     ORDER BY p.id

@@ -34,7 +34,8 @@ WITH RECURSIVE down(id, job, logical_time) AS (
     SELECT n.id, n.job, n.logical_time
     FROM down
     JOIN pgflow.job_deps d ON d.upstream = down.job
-    JOIN pgflow.runs n ON n.job = d.job AND n.logical_time = down.logical_time
+    JOIN pgflow.run_keys k ON k.job = d.job AND k.logical_time = down.logical_time
+    JOIN pgflow.runs n ON n.id = k.run_id
 )
 SELECT r.id, r.job, r.state
 FROM pgflow.runs r
@@ -56,8 +57,9 @@ RETURNING r.id
 -- A backfill's existing ticks in %(states)s become its own held runs (pending, trigger
 -- backfill, its priority): the leader releases them under its cap like new ticks.
 WITH picked AS (
-    SELECT r.id FROM pgflow.runs r
-    WHERE r.job = %(job)s AND r.logical_time = ANY(%(times)s::timestamptz[])
+    SELECT r.id FROM pgflow.run_keys k
+    JOIN pgflow.runs r ON r.id = k.run_id
+    WHERE k.job = %(job)s AND k.logical_time = ANY(%(times)s::timestamptz[])
       AND r.state = ANY(%(states)s::text[])
       AND r.backfill_id IS DISTINCT FROM %(backfill_id)s
     ORDER BY r.id

@@ -19,7 +19,7 @@
 -- Run r may go: finished before the cutoff, not a dead letter still waiting for an
 -- operator, no downstream run at its logical time still to come, and (upstream_failed)
 -- no upstream an operator may still retry. Each dependency test reads job_deps first and
--- then one run by its unique key (a scalar subquery cannot be turned into a join that
+-- then one run by its key (run_keys; a scalar subquery cannot be turned into a join that
 -- starts from the queue).
 r.finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(retention_s)s)
 AND (r.state IN ('succeeded', 'cancelled', 'upstream_failed')
@@ -28,12 +28,14 @@ AND NOT EXISTS (
     SELECT 1 FROM pgflow.job_deps d
     WHERE d.upstream = r.job
       AND (SELECT p.state IN ('pending', 'queued', 'running', 'retrying')
-           FROM pgflow.runs p WHERE p.job = d.job AND p.logical_time = r.logical_time))
+           FROM pgflow.run_keys k JOIN pgflow.runs p ON p.id = k.run_id
+           WHERE k.job = d.job AND k.logical_time = r.logical_time))
 AND (r.state <> 'upstream_failed' OR NOT EXISTS (
     SELECT 1 FROM pgflow.job_deps d
     WHERE d.job = r.job
       AND (SELECT u.state = 'upstream_failed' OR (u.state = 'failed' AND u.acked_at IS NULL)
-           FROM pgflow.runs u WHERE u.job = d.upstream AND u.logical_time = r.logical_time)))
+           FROM pgflow.run_keys k JOIN pgflow.runs u ON u.id = k.run_id
+           WHERE k.job = d.upstream AND k.logical_time = r.logical_time)))
 
 -- name: prune_runs
 -- One batch: the %(limit)s oldest finished runs after the cursor (%(after_finished)s,

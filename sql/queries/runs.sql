@@ -11,7 +11,8 @@ SELECT date_trunc('second', coalesce(%(now)s::timestamptz, now())) AS now
 SELECT name FROM pgflow.jobs ORDER BY name
 
 -- name: run_by_logical_time
-SELECT id, state FROM pgflow.runs WHERE job = %(job)s AND logical_time = %(logical_time)s
+SELECT r.id, r.state FROM pgflow.run_keys k JOIN pgflow.runs r ON r.id = k.run_id
+WHERE k.job = %(job)s AND k.logical_time = %(logical_time)s
 
 -- fragment: run_list_filters
 -- The optional filters every listing of runs takes (null: no filter).
@@ -136,7 +137,7 @@ ORDER BY attempt
 -- settles it at once: deps.settle), queued otherwise.
 CASE WHEN EXISTS (
          SELECT 1 FROM pgflow.job_deps d
-         JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = r.logical_time
+         JOIN pgflow.run_keys k ON k.job = d.upstream AND k.logical_time = r.logical_time
          WHERE d.job = r.job)
      THEN 'pending' ELSE 'queued' END
 
@@ -213,3 +214,18 @@ ORDER BY state, tenant
 
 -- name: status_dead_letters
 SELECT count(*) AS dead_letters FROM pgflow.runs WHERE state = 'failed' AND acked_at IS NULL
+
+-- name: bulk_runs_begin
+-- pgflow.runs.keys_inserted_after: the key trigger is off for this transaction's load
+-- (an ALTER TABLE, undone by bulk_runs_end or a rollback).
+ALTER TABLE pgflow.runs DISABLE TRIGGER runs_key
+
+-- name: bulk_runs_last_id
+SELECT coalesce(max(id), 0) AS last_id FROM pgflow.runs
+
+-- name: bulk_runs_keys
+INSERT INTO pgflow.run_keys (job, logical_time, run_id)
+SELECT job, logical_time, id FROM pgflow.runs WHERE id > %(after)s
+
+-- name: bulk_runs_end
+ALTER TABLE pgflow.runs ENABLE TRIGGER runs_key

@@ -28,7 +28,8 @@ WITH scanned AS (
            END AS kind
     FROM scanned s
     LEFT JOIN pgflow.job_deps d ON d.job = s.job
-    LEFT JOIN pgflow.runs u ON u.job = d.upstream AND u.logical_time = s.logical_time
+    LEFT JOIN pgflow.run_keys k ON k.job = d.upstream AND k.logical_time = s.logical_time
+    LEFT JOIN pgflow.runs u ON u.id = k.run_id
     GROUP BY s.id
 ), repaired AS (
     UPDATE pgflow.runs p

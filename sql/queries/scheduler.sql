@@ -61,9 +61,11 @@ SELECT count(*) AS locked FROM (
 -- (sql/migrations/0019_withdraw_on_pause.sql; a test keeps the two in step).
 WITH gone AS (
     DELETE FROM pgflow.runs r
-    WHERE r.job = ANY(%(names)s::text[]) AND r.state = 'queued' AND r.trigger = 'schedule'
+    USING pgflow.run_keys k
+    -- logical_time > now() is implied (available_at is the tick): it keys run_keys' index
+    WHERE k.job = ANY(%(names)s::text[]) AND k.logical_time > now() AND r.id = k.run_id
+      AND r.state = 'queued' AND r.trigger = 'schedule'
       AND r.attempt = 0 AND r.started_at IS NULL AND r.available_at > now()
-      AND r.logical_time > now()  -- implied (available_at is the tick): keys the index
     RETURNING r.job, r.logical_time
 ), rewound AS (  -- runs whatever the final SELECT reads (a data-modifying CTE)
     UPDATE pgflow.jobs j SET next_fire_at = least(j.next_fire_at, g.first)
