@@ -112,3 +112,14 @@ def test_a_bulk_load_keys_its_runs_in_one_statement(conn: Conn) -> None:
             runs.keys_inserted_after(conn):
         conn.execute(HAND_INSERT, ("k", T0))  # a repeated pair fails the load
     assert keys_match_runs(conn)
+
+
+def test_a_run_keeps_its_key(conn: Conn) -> None:
+    add_job(conn, "k", entrypoint="jobfuncs:noop")
+    made = create(conn, ["k"], [T0])
+    with pytest.raises(psycopg.errors.CheckViolation, match="exactly-once key"):
+        conn.execute("UPDATE pgflow.runs SET logical_time = logical_time + interval '1 hour'"
+                     " WHERE id = %s", (made[0]["id"],))
+    conn.execute("UPDATE pgflow.runs SET logical_time = logical_time, priority = 5"
+                 " WHERE id = %s", (made[0]["id"],))  # the same key: allowed
+    assert keys_match_runs(conn)

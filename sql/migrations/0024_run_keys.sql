@@ -14,7 +14,10 @@
 --     skips its row if the first commits (the same speculative insertion as before);
 --   * deleted runs take their keys with them (one statement per DELETE), a TRUNCATE
 --     of runs empties run_keys.
--- A run's job and logical time never change after its insert; no statement updates them.
+--   * a run's job and logical time never change after its insert (no statement of
+--     pgflow's updates them); an UPDATE that tries is refused. An AFTER trigger on those
+--     two columns: a BEFORE ROW UPDATE trigger, whatever its columns, would make every
+--     UPDATE of runs fetch and lock each row again (claims and finishes included).
 CREATE TABLE pgflow.run_keys (
     job          text NOT NULL,
     logical_time timestamptz NOT NULL,
@@ -69,6 +72,19 @@ CREATE TRIGGER runs_unkey_all AFTER TRUNCATE ON pgflow.runs
 
 -- A job's newest run (pgflow.latest_run) and its runs by logical time are unchanged;
 -- the dependency engine's lookups by (job, logical_time) now join run_keys.
+
+CREATE FUNCTION pgflow.refuse_run_key_change() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'run %: job and logical_time cannot change (they are its exactly-once key)',
+        OLD.id USING ERRCODE = 'check_violation';
+END
+$$;
+
+CREATE TRIGGER runs_key_fixed AFTER UPDATE OF job, logical_time ON pgflow.runs
+    FOR EACH ROW
+    WHEN (OLD.job IS DISTINCT FROM NEW.job OR OLD.logical_time IS DISTINCT FROM NEW.logical_time)
+    EXECUTE FUNCTION pgflow.refuse_run_key_change();
 
 -- A pause's withdrawal of the ticks created ahead (0019) found the job's future runs
 -- through the unique index; it now finds them through their keys.
