@@ -32,9 +32,9 @@ second scheduler skips them); read their waiting events again under the lock;
 create one run each (trigger ``dataset``, logical time = newest consumed event's
 ``created_at``); point the events at it, checking that every row changed (else
 the whole pass rolls back). A crash anywhere before the commit leaves the events
-waiting and creates no run; after it, both are there. ``UNIQUE (job,
-logical_time)`` stays the backstop: a collision (another run of the job at that
-very microsecond) moves the new run's time one microsecond later.
+waiting and creates no run; after it, both are there. The unique ``(job,
+logical_time)`` of ``run_keys`` stays the backstop: a collision (another run of the
+job at that very microsecond) moves the new run's time one microsecond later.
 
 A run consumes every waiting event of its job at once, up to ``MAX_EVENTS_PER_RUN``
 (a backlog beyond that is consumed by the next runs, the oldest first, and each
