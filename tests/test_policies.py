@@ -208,14 +208,17 @@ params = { seconds = 0.3 }
 entrypoint = "jobfuncs:sleep"
 params = { seconds = 0.3 }
 """)
-    ids = _backlog(conn, "c1", 6) + _backlog(conn, "c2", 6)
-    other = _backlog(conn, "free", 6)
-    conn.execute("SELECT pg_notify('pgflow_queue', '')")
     replicas = Replicas(db_url, tmp_path)
     samples: list[int] = []
+    ids: list[int] = []
+    other: list[int] = []
     try:
-        replicas.start("a", roles=["worker"], concurrency=4)
-        replicas.start("b", roles=["worker"], concurrency=4)
+        started = [replicas.start(name, roles=["worker"], concurrency=4) for name in "ab"]
+        for replica in started:  # both up before the work comes: each gets some of it
+            replica.id(conn)
+        ids = _backlog(conn, "c1", 6) + _backlog(conn, "c2", 6)
+        other = _backlog(conn, "free", 6)
+        conn.execute("SELECT pg_notify('pgflow_queue', '')")
 
         def done() -> bool:
             row = conn.execute("SELECT count(*) FILTER (WHERE tenant = 'capped' AND state ="

@@ -114,12 +114,14 @@ def test_a_bulk_load_keys_its_runs_in_one_statement(conn: Conn) -> None:
     assert keys_match_runs(conn)
 
 
-def test_a_run_keeps_its_key(conn: Conn) -> None:
+def test_a_hand_made_change_of_a_runs_time_moves_its_key(conn: Conn) -> None:
     add_job(conn, "k", entrypoint="jobfuncs:noop")
-    made = create(conn, ["k"], [T0])
-    with pytest.raises(psycopg.errors.CheckViolation, match="exactly-once key"):
-        conn.execute("UPDATE pgflow.runs SET logical_time = logical_time + interval '1 hour'"
-                     " WHERE id = %s", (made[0]["id"],))
-    conn.execute("UPDATE pgflow.runs SET logical_time = logical_time, priority = 5"
-                 " WHERE id = %s", (made[0]["id"],))  # the same key: allowed
+    made = create(conn, ["k", "k"], [T0, T0 + timedelta(hours=1)])
+    conn.execute("UPDATE pgflow.runs SET logical_time = logical_time + interval '2 hours'"
+                 " WHERE id = %s", (made[0]["id"],))
+    assert keys_match_runs(conn)
+    assert len(create(conn, ["k"], [T0])) == 1  # its old pair is free
+    with pytest.raises(psycopg.errors.UniqueViolation):  # a pair that has a run
+        conn.execute("UPDATE pgflow.runs SET logical_time = %s WHERE id = %s",
+                     (T0 + timedelta(hours=1), made[0]["id"]))
     assert keys_match_runs(conn)

@@ -14,10 +14,11 @@
 --     skips its row if the first commits (the same speculative insertion as before);
 --   * deleted runs take their keys with them (one statement per DELETE), a TRUNCATE
 --     of runs empties run_keys.
---   * a run's job and logical time never change after its insert (no statement of
---     pgflow's updates them); an UPDATE that tries is refused. An AFTER trigger on those
---     two columns: a BEFORE ROW UPDATE trigger, whatever its columns, would make every
---     UPDATE of runs fetch and lock each row again (claims and finishes included).
+--   * no statement of pgflow's changes a run's job or logical time; a hand-written
+--     UPDATE that does moves the run's key (and fails on a pair that has a run, as the
+--     unique index did). An AFTER trigger on those two columns: a BEFORE ROW UPDATE
+--     trigger, whatever its columns, would make every UPDATE of runs fetch and lock each
+--     row again (claims and finishes included).
 CREATE TABLE pgflow.run_keys (
     job          text NOT NULL,
     logical_time timestamptz NOT NULL,
@@ -73,18 +74,19 @@ CREATE TRIGGER runs_unkey_all AFTER TRUNCATE ON pgflow.runs
 -- A job's newest run (pgflow.latest_run) and its runs by logical time are unchanged;
 -- the dependency engine's lookups by (job, logical_time) now join run_keys.
 
-CREATE FUNCTION pgflow.refuse_run_key_change() RETURNS trigger
+CREATE FUNCTION pgflow.move_run_key() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    RAISE EXCEPTION 'run %: job and logical_time cannot change (they are its exactly-once key)',
-        OLD.id USING ERRCODE = 'check_violation';
+    UPDATE pgflow.run_keys SET job = NEW.job, logical_time = NEW.logical_time
+    WHERE job = OLD.job AND logical_time = OLD.logical_time AND run_id = OLD.id;
+    RETURN NULL;
 END
 $$;
 
-CREATE TRIGGER runs_key_fixed AFTER UPDATE OF job, logical_time ON pgflow.runs
+CREATE TRIGGER runs_key_moves AFTER UPDATE OF job, logical_time ON pgflow.runs
     FOR EACH ROW
     WHEN (OLD.job IS DISTINCT FROM NEW.job OR OLD.logical_time IS DISTINCT FROM NEW.logical_time)
-    EXECUTE FUNCTION pgflow.refuse_run_key_change();
+    EXECUTE FUNCTION pgflow.move_run_key();
 
 -- A pause's withdrawal of the ticks created ahead (0019) found the job's future runs
 -- through the unique index; it now finds them through their keys.
