@@ -34,7 +34,6 @@ from pgflow.alerts import outbox as alert_outbox
 from pgflow.alerts import secrets as alert_secrets
 from pgflow.config import DEFAULT_RETENTION_S, Settings
 from pgflow.errors import PgflowError
-from pgflow.leader import run_scheduler
 from pgflow.log import get_logger
 from pgflow.replica import Replica, run_heartbeat
 from pgflow.worker import Worker
@@ -136,6 +135,10 @@ async def _serve(options: ServeOptions) -> str | None:
         options.pooled_url, replica, options.lease_ttl, stop, stopping, log,
         pooled=options.pooled), stop, log)]
     if "scheduler" in options.roles:
+        # imported for this role only: a worker replica started under load spends its
+        # first half second importing, and each import competes with the replicas at work
+        from pgflow.leader import run_scheduler
+
         tasks.append(_supervised("scheduler", lambda: run_scheduler(
             options.url, replica.id, options.lease_ttl, stop_scheduling, log,
             retention_s=options.retention, public_url=options.settings.ui_url),

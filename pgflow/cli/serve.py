@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import click
 
-from pgflow import registry
 from pgflow.cli._base import Ctx, pass_ctx
 
 ALL_ROLES = ("scheduler", "worker", "reaper", "web")
@@ -74,6 +73,8 @@ def serve_command(ctx: Ctx, roles: tuple[str, ...], concurrency: str | None, bin
         for line in advice(conn):
             click.echo(f"pgflow: warning: {line}", err=True)
     if apps:
+        from pgflow import registry
+
         loaded = registry.load_sources(list(apps))
         registry.apply(conn, loaded.specs, source=", ".join(apps), invalid=loaded.errors)
     if "web" in chosen:
