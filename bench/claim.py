@@ -107,7 +107,7 @@ def measure(b: Bench, finished: int, queued: int = 1000, reps: int = 7) -> dict[
         conn.execute("ANALYZE pgflow.runs")
         empty = explain(conn, 100, reps)
         t0 = time.perf_counter()
-        with conn.transaction(), runs.keys_inserted_after(conn):
+        with runs.keys_inserted_after(conn):
             conn.execute(FILL_SQL, {"n": finished})
         fill_s = time.perf_counter() - t0
         conn.execute("VACUUM ANALYZE pgflow.runs")

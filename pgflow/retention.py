@@ -62,15 +62,15 @@ Design choice, and the measurements that decided it
 
 Time partitioning (Hatchet, Oban Pro) makes dropping a day O(1), but pgflow's ``runs``
 cannot be partitioned on a finish time: a row moves partitions on every state change.
-The exactly-once key (``job, logical_time``) was a unique index of ``runs`` when this was
-decided (it moved to ``run_keys`` in migration 0024), and a unique index must contain the
-partition key — so it would have had to be
-``logical_time``, which backfills set years in the past (a 2020 backfill run today would
-land in a partition dropped long ago, or keep a 2020 partition alive), and ``attempts``
-would need the key in its foreign key. Moving finished runs to a history table doubles
-every finish write and splits every listing. So pgflow deletes in batches and keeps the
-hot path on partial indexes; the measurements say both are enough (2-core VM shared with
-other work, PostgreSQL 15 with stock settings, ``bench/history.py``):
+The exactly-once key (``job, logical_time``) was a unique index of ``runs`` when this
+was decided (it moved to ``run_keys`` in migration 0024), and a unique index must
+contain the partition key — so it would have had to be ``logical_time``, which
+backfills set years in the past (a 2020 backfill run today would land in a partition
+dropped long ago, or keep a 2020 partition alive), and ``attempts`` would need the key
+in its foreign key. Moving finished runs to a history table doubles every finish write
+and splits every listing. So pgflow deletes in batches and keeps the hot path on
+partial indexes; the measurements say both are enough (2-core VM shared with other
+work, PostgreSQL 15 with stock settings, ``bench/history.py``):
 
 * Prune throughput: 2,000-run batches (with their attempts) took 53-57 ms at
   1,000,000 and 63 ms at 10,000,000 finished runs: 32,000-37,000 runs/s, flat with
@@ -83,10 +83,11 @@ other work, PostgreSQL 15 with stock settings, ``bench/history.py``):
   of them) were past the retention at once, the runs table stayed at 210 MB from the
   middle of the run to its end, the claim took 3.3 / 3.1 ms (p50) and 13.6 / 13.2 ms
   (p99) in the first / last minute, and all 1,000,000 runs succeeded once and went.
-* The dependency rules are scalar subqueries on the run key (``run_keys``), never joins: written
-  as joins, the planner (with statistics from a quieter moment) started them from the
-  queued and running runs, once per candidate; batches grew to 17 s under load, the
-  leader's heartbeat went stale and standbys deposed it four times in a run.
+* The dependency rules are scalar subqueries on the run key (``run_keys``), never
+  joins: written as joins, the planner (with statistics from a quieter moment) started
+  them from the queued and running runs, once per candidate; batches grew to 17 s
+  under load, the leader's heartbeat went stale and standbys deposed it four times in
+  a run.
 * Hot statements, fastest of 7 round-robin EXPLAIN ANALYZE runs at 0 / 1M / 10M
   finished runs (ms): claim 100 8.7 / 9.4 / 8.3, renew 300 leases 7.8 / 8.2 / 9.0,
   finish 100 7.2 / 9.9 / 10.1, dependency hop 8.3 / 12.3 / 9.8, reap 0.84 / 0.77 /

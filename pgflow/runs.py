@@ -322,10 +322,13 @@ def keys_inserted_after(conn: psycopg.Connection[Any]) -> Iterator[None]:
     """Runs inserted inside get their keys (pgflow.run_keys) from one INSERT … SELECT at
     the end instead of one trigger call each: for tools that load synthetic history
     (benchmarks, plan tests), 2 to 3 times faster. Their pairs must be new (a repeated
-    pair fails the load instead of being skipped). Call it inside a transaction: it
-    locks runs (ALTER TABLE) until the commit; the table's owner only."""
-    conn.execute(q("bulk_runs_begin"))
-    last = conn.cursor(row_factory=tuple_row).execute(q("bulk_runs_last_id")).fetchone()
-    yield
-    conn.execute(q("bulk_runs_keys"), {"after": last[0] if last else 0})
-    conn.execute(q("bulk_runs_end"))
+    pair fails the load instead of being skipped). The load is a transaction of its own
+    (a savepoint inside the caller's): the trigger is off only inside it, and back if
+    the load fails; runs stays locked (ALTER TABLE) until the outer commit. The table's
+    owner only."""
+    with conn.transaction():
+        conn.execute(q("bulk_runs_begin"))
+        last = conn.cursor(row_factory=tuple_row).execute(q("bulk_runs_last_id")).fetchone()
+        yield
+        conn.execute(q("bulk_runs_keys"), {"after": last[0] if last else 0})
+        conn.execute(q("bulk_runs_end"))

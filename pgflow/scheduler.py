@@ -2,13 +2,13 @@
 
 Every root job (one with a schedule) persists the instant of its next tick in
 ``pgflow.jobs.next_fire_at``. A scheduling pass locks the due jobs, decides in
-Python which logical times to create (``plan_fires``, pure), creates all their
-runs with one ``create_plain_runs`` (or ``create_runs`` for DAG roots), advances
-their fire times with one UPDATE and commits: the runs and the fire times move
-together, so a tick fires once whatever happens (the unique ``(job, logical_time)``
-of ``run_keys`` makes a repeated insert a no-op besides). Because the fire time is persisted, ticks
-missed while no scheduler ran are seen on restart and handled by the job's
-``catchup`` policy.
+Python which logical times to create (``plan_fires``, pure), creates all their runs
+with one ``create_plain_runs`` (or ``create_runs`` for DAG roots), advances their
+fire times with one UPDATE and commits: the runs and the fire times move together,
+so a tick fires once whatever happens (the unique ``(job, logical_time)`` of
+``run_keys`` makes a repeated insert a no-op besides). Because the fire time is
+persisted, ticks missed while no scheduler ran are seen on restart and handled by
+the job's ``catchup`` policy.
 
 Ahead of the tick. With ``ahead`` (the leader passes ``AHEAD``), a job without
 downstream jobs has the runs of its ticks within ``ahead`` of now created early,

@@ -102,14 +102,13 @@ def test_retention_takes_the_keys_of_the_runs_it_deletes(conn: Conn) -> None:
 def test_a_bulk_load_keys_its_runs_in_one_statement(conn: Conn) -> None:
     add_job(conn, "k", entrypoint="jobfuncs:noop")
     create(conn, ["k"], [T0])
-    with conn.transaction(), runs.keys_inserted_after(conn):
+    with runs.keys_inserted_after(conn):
         conn.execute("INSERT INTO pgflow.runs (job, logical_time, state, max_attempts, trigger,"
                      " tenant) SELECT 'k', %s + make_interval(hours => i), 'queued', 1,"
                      " 'manual', 'default' FROM generate_series(1, 50) i", (T0,))
     assert keys_match_runs(conn)
     assert create(conn, ["k"], [T0 + timedelta(hours=7)]) == []  # the trigger is back
-    with pytest.raises(psycopg.errors.UniqueViolation), conn.transaction(), \
-            runs.keys_inserted_after(conn):
+    with pytest.raises(psycopg.errors.UniqueViolation), runs.keys_inserted_after(conn):
         conn.execute(HAND_INSERT, ("k", T0))  # a repeated pair fails the load
     assert keys_match_runs(conn)
 

@@ -93,7 +93,7 @@ def seed(url: str, jobs: int = JOBS, runs_per_job: int = RUNS_PER_JOB,
         registry.apply(conn, specs)
         say(f"registered {jobs} jobs in {time.perf_counter() - started:.1f}s")
         started = time.perf_counter()
-        with conn.transaction(), runs.keys_inserted_after(conn):
+        with runs.keys_inserted_after(conn):
             conn.execute(_RUNS, {"runs": runs_per_job})
         conn.execute(_ATTEMPTS)
         conn.execute("VACUUM ANALYZE pgflow.runs")

@@ -9,12 +9,12 @@
 -- name: create_runs
 -- New runs, one per (job, logical_time); a pair that already has a run is skipped by
 -- the trigger that inserts its key (pgflow.run_keys, migration 0024: this is what makes
--- a tick exactly-once). With %(downstream)s, each requested job
--- starts a DAG run for its logical time: a requested root brings the other unpaused
--- roots of its DAG (queued, same trigger), and every job downstream of the started
--- jobs gets a 'pending' run that the dependency engine queues when its upstreams
--- succeed. Workers are woken (pgflow_queue) when a queued run was created. A NULL time
--- means the database's now(), to the second.
+-- a tick exactly-once). With %(downstream)s, each requested job starts a DAG run for
+-- its logical time: a requested root brings the other unpaused roots of its DAG
+-- (queued, same trigger), and every job downstream of the started jobs gets a
+-- 'pending' run that the dependency engine queues when its upstreams succeed. Workers
+-- are woken (pgflow_queue) when a queued run was created. A NULL time means the
+-- database's now(), to the second.
 WITH RECURSIVE input AS (
     SELECT DISTINCT i.job, coalesce(i.logical_time, date_trunc('second', now())) AS logical_time
     FROM unnest(%(jobs)s::text[], %(times)s::timestamptz[]) AS i(job, logical_time)
