@@ -313,6 +313,45 @@ sources = ["s"]
     assert row == {"t": 3, "s": 2}  # reached, never exceeded
 
 
+def test_a_capped_claim_that_waited_for_its_lock_starts_after_the_finish_it_saw(
+        conn: Conn, db_url: str, tmp_path: Path) -> None:
+    """A capped claim's transaction begins before it gets its locks; a run of the cap may
+    finish while it waits. The attempt it then starts must not be stamped before that
+    finish: attempts would seem to overlap beyond the cap."""
+    _apply_file(conn, tmp_path / "t.toml", """
+[tenants.one]
+max_concurrency = 1
+[jobs.c]
+entrypoint = "jobfuncs:noop"
+tenant = "one"
+""")
+    _backlog(conn, "c", 2)
+
+    async def go() -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as a, \
+                await psycopg.AsyncConnection.connect(db_url, autocommit=True) as b, \
+                await psycopg.AsyncConnection.connect(db_url, autocommit=True) as blocker:
+            [first] = await queue.claim_capped(a, "wa", ["c"], 5, 300)
+            async with blocker.transaction():
+                await blocker.execute("SELECT pg_advisory_xact_lock(1885759855, hashtext("
+                                      "'tenant:one'))")
+                waiting = asyncio.create_task(queue.claim_capped(b, "wb", ["c"], 5, 300))
+                while conn.execute("SELECT count(*) AS n FROM pg_locks WHERE NOT granted"
+                                   " AND locktype = 'advisory'").fetchone() != {"n": 1}:
+                    await asyncio.sleep(0.01)
+                done = await queue.finish(a, [queue.Finish(
+                    first.id, first.attempt, "wa", "succeeded", "succeeded",
+                    first.attempt_started_at)])
+                assert done == {first.id: "succeeded"}
+            [second] = await waiting
+            assert second.id != first.id
+    asyncio.run(go())
+    [finished] = conn.execute("SELECT finished_at FROM pgflow.attempts").fetchall()
+    started = conn.execute("SELECT attempt_started_at AS t FROM pgflow.runs"
+                           " WHERE state = 'running'").fetchone()
+    assert started is not None and started["t"] >= finished["finished_at"]
+
+
 def test_listing_tenants(conn: Conn, tmp_path: Path) -> None:
     _apply_file(conn, tmp_path / "l.toml", '[tenants.t]\nweight = 2\nmax_concurrency = 5\n'
                 '[jobs.a]\nentrypoint = "jobfuncs:noop"\ntenant = "t"\n')

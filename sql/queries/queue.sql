@@ -7,11 +7,17 @@
 -- `picked` (column id) start their next attempt under this worker's lease. params come
 -- back as JSON text: a command passes it on as is, a Python job decodes it on first use;
 -- so does the checkpoint an earlier attempt stored (pgflow/live.py; NULL almost always).
+-- An attempt starts when the claim executes, not when its transaction began: a capped
+-- claim's transaction may wait for its locks while runs of the same cap finish, and a
+-- start stamped before those finishes would show more attempts overlapping than the cap
+-- ever let run. The clock is read after the statement's snapshot, once for all its runs
+-- (an uncorrelated subquery is evaluated once).
 claimed AS (
     UPDATE pgflow.runs r
     SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
         lease_expires_at = now() + make_interval(secs => %(ttl)s),
-        attempt_started_at = now(), started_at = coalesce(r.started_at, now()),
+        attempt_started_at = (SELECT clock_timestamp()),
+        started_at = coalesce(r.started_at, (SELECT clock_timestamp())),
         handed_off = false
     -- An array of ids, not a join: a join of the picked few to runs may be planned as a
     -- hash of the whole table, read on every claim.

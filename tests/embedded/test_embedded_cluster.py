@@ -76,8 +76,16 @@ def _scalar(url: str, query: str) -> object:
 
 def _postmasters(data_dir: Path) -> list[int]:
     """Live postmasters working in `data_dir` (their children work there too)."""
-    in_dir = {pid for pid in _proc_pids() if _cwd(pid) == str(data_dir) and not _zombie(pid)}
-    return sorted(pid for pid in in_dir if _ppid(pid) not in in_dir)
+    # One read of each process's stat: a child that exits between two reads must not
+    # look like a process without a parent.
+    parents: dict[int, int] = {}
+    for pid in _proc_pids():
+        if _cwd(pid) != str(data_dir):
+            continue
+        fields = _stat_fields(pid)
+        if fields[0] not in ("Z", "X"):
+            parents[pid] = int(fields[1])
+    return sorted(pid for pid, ppid in parents.items() if ppid not in parents)
 
 
 def _proc_pids() -> list[int]:
@@ -96,14 +104,6 @@ def _stat_fields(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return ["X", "0"]
-
-
-def _zombie(pid: int) -> bool:
-    return _stat_fields(pid)[0] in ("Z", "X")
-
-
-def _ppid(pid: int) -> int:
-    return int(_stat_fields(pid)[1])
 
 
 def _ids(pid: int) -> tuple[int, int]:
