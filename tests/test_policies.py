@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -336,8 +337,10 @@ tenant = "one"
                 await blocker.execute("SELECT pg_advisory_xact_lock(1885759855, hashtext("
                                       "'tenant:one'))")
                 waiting = asyncio.create_task(queue.claim_capped(b, "wb", ["c"], 5, 300))
+                deadline = time.monotonic() + 30
                 while conn.execute("SELECT count(*) AS n FROM pg_locks WHERE NOT granted"
                                    " AND locktype = 'advisory'").fetchone() != {"n": 1}:
+                    assert time.monotonic() < deadline, "the capped claim never waited"
                     await asyncio.sleep(0.01)
                 done = await queue.finish(a, [queue.Finish(
                     first.id, first.attempt, "wa", "succeeded", "succeeded",
